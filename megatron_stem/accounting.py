@@ -1,0 +1,55 @@
+"""Parameter and FLOP accounting, counted the way the STEM paper counts.
+
+total  = the dense baseline's parameters + all STEM tables (the removed up-projections are
+         not subtracted: 1B paper config = 1.4985B + 5 x 128,256 x 8,192 = 6.752B)
+active = the dense baseline - (STEM layers) x d x d_ff: one table row per token replaces
+         an up-projection, so per-token compute drops by that matmul
+FLOPs/token (forward) = 2 x active;  ROI = (accuracy / FLOPs) relative to the dense model.
+
+Counts use the true vocabulary (no TP padding), like the paper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from megatron_stem.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Accounting:
+    dense_params: int  # the dense baseline of the same shape
+    table_params: int  # sum of all STEM tables
+    stored_params: int  # what the STEM model really holds: active + tables
+    total_params: int  # paper's "total"
+    active_params: int  # paper's "active"
+    flops_per_token: int  # forward, 2 x active
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        return (f"total {self.total_params / 1e9:.3f}B, active {self.active_params / 1e9:.3f}B,"
+                f" tables {self.table_params / 1e9:.3f}B,"
+                f" {self.flops_per_token / 1e9:.3f} GFLOPs/token")
+
+
+def account(model: ModelConfig) -> Accounting:
+    d, ff, vocab = model.hidden_size, model.ffn_hidden_size, model.vocab_size
+    head_dim = d // model.num_attention_heads
+    attention = d * head_dim * (2 * model.num_attention_heads + 2 * model.kv_heads)
+    swiglu = 3 * d * ff
+    layer = attention + swiglu + 2 * d  # + two RMSNorm weights
+    embeddings = vocab * d * (2 if model.untie_embeddings else 1)
+    dense = embeddings + model.num_layers * layer + d  # + final norm
+    stem_layers = len(model.stem_layer_indices)
+    tables = stem_layers * vocab * ff
+    active = dense - stem_layers * d * ff
+    return Accounting(dense_params=dense, table_params=tables, stored_params=active + tables,
+                      total_params=dense + tables, active_params=active,
+                      flops_per_token=2 * active)
+
+
+def roi(accuracy: float, flops: float, dense_accuracy: float, dense_flops: float) -> float:
+    """Accuracy per FLOP relative to the dense baseline (1.0 = as efficient as dense)."""
+    return (accuracy / flops) / (dense_accuracy / dense_flops)

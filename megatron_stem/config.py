@@ -1,0 +1,284 @@
+"""Typed configuration: dataclasses filled from YAML recipes in strict mode.
+
+Every field is type-checked on load, unknown keys are errors (with a suggestion), and each
+dataclass's `validate()` checks cross-field rules. All errors are `ConfigError`s whose
+message starts with the dotted path of the offending field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from megatron_stem.errors import ConfigError
+
+# ---------------------------------------------------------------------------------------
+# Generic strict loader
+# ---------------------------------------------------------------------------------------
+
+
+def from_dict(cls: type, data: Any, where: str = ""):
+    """Build dataclass `cls` from a mapping, checking names and types recursively."""
+    label = where.rstrip(".") or "recipe"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{label}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"{where}{key}: unknown field{hint}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, f in fields.items():
+        if name in data:
+            kwargs[name] = _coerce(data[name], hints[name], f"{where}{name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{where}{name}: required field is missing")
+    obj = cls(**kwargs)
+    validate = getattr(obj, "validate", None)
+    if validate is not None:
+        try:
+            validate()
+        except ConfigError as e:
+            raise ConfigError(f"{where}{e}") from None
+    return obj
+
+
+def _coerce(value: Any, typ: Any, where: str):
+    origin = typing.get_origin(typ)
+    if dataclasses.is_dataclass(typ):
+        return from_dict(typ, value, where + ".")
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(typ)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, where)
+            except ConfigError as e:
+                errors.append(str(e).split(": ", 1)[-1])
+        raise ConfigError(f"{where}: {' or '.join(errors)}")
+    if origin is Literal:
+        choices = typing.get_args(typ)
+        if value not in choices:
+            raise ConfigError(f"{where}: expected one of {list(choices)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (item,) = typing.get_args(typ)
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        _, item = typing.get_args(typ)
+        return {k: _coerce(v, item, f"{where}.{k}") for k, v in value.items()}
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if typ is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if typ is Any:
+        return value
+    raise TypeError(f"unsupported config type {typ!r} at {where}")  # a bug in a dataclass
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested mapping in place."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override '{item}': expected the form section.field=value")
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}': '{part}' is not a section")
+        node[leaf] = yaml.safe_load(raw)
+    return data
+
+
+def to_dict(obj) -> dict:
+    return dataclasses.asdict(obj)
+
+
+# ---------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------
+
+StemPlacement = Union[Literal["none", "1/3", "1/2", "full"], list[int]]
+
+# Fraction placements: every n-th layer starting at layer 1. Layer 0 is never STEM: the
+# paper keeps the first FFN dense, and its ids would carry no context yet.
+_PLACEMENT_STRIDE = {"1/3": 3, "1/2": 2, "full": 1}
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-style decoder whose FFNs are dense SwiGLU or STEM."""
+
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    seq_length: int
+    num_query_groups: Optional[int] = None  # kv heads; None means as many as query heads
+    untie_embeddings: bool = True
+    rotary_base: float = 500000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    stem_layers: StemPlacement = "none"
+    # Embedding/output rows are padded to a multiple of this (Megatron's convention) so the
+    # vocab splits evenly over TP ranks; STEM tables keep exactly `vocab_size` rows.
+    make_vocab_size_divisible_by: int = 128
+
+    def validate(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
+                     "vocab_size", "seq_length", "make_vocab_size_divisible_by"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"hidden_size: {self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}")
+        if self.kv_heads <= 0 or self.num_attention_heads % self.kv_heads:
+            raise ConfigError(
+                f"num_query_groups: {self.kv_heads} must divide "
+                f"num_attention_heads={self.num_attention_heads}")
+        if isinstance(self.stem_layers, list):
+            bad = [i for i in self.stem_layers if not 0 <= i < self.num_layers]
+            if bad:
+                raise ConfigError(
+                    f"stem_layers: index {bad[0]} is out of range for num_layers="
+                    f"{self.num_layers} (layers are numbered 0..{self.num_layers - 1})")
+            if len(set(self.stem_layers)) != len(self.stem_layers):
+                raise ConfigError(f"stem_layers: duplicate index in {self.stem_layers}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // m) * m
+
+    @property
+    def stem_layer_indices(self) -> list[int]:
+        """0-based indices of the STEM layers, sorted."""
+        if isinstance(self.stem_layers, list):
+            return sorted(self.stem_layers)
+        if self.stem_layers == "none":
+            return []
+        return list(range(1, self.num_layers, _PLACEMENT_STRIDE[self.stem_layers]))
+
+    @property
+    def is_stem(self) -> bool:
+        return bool(self.stem_layer_indices)
+
+
+# ---------------------------------------------------------------------------------------
+# Parallel layout
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    sequence_parallel: bool = False
+    # "full": recompute each layer's activations in backward (megatron's uniform method).
+    recompute: Literal["none", "full"] = "none"
+
+    def validate(self) -> None:
+        for name in ("tensor_parallel", "pipeline_parallel"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ConfigError("sequence_parallel: needs tensor_parallel > 1")
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Rules that tie the layout to the model shape."""
+        tp, pp = self.tensor_parallel, self.pipeline_parallel
+        rules = [
+            ("model.ffn_hidden_size", model.ffn_hidden_size, tp, "parallel.tensor_parallel"),
+            ("model.num_attention_heads", model.num_attention_heads, tp,
+             "parallel.tensor_parallel"),
+            ("model.num_query_groups", model.kv_heads, tp, "parallel.tensor_parallel"),
+            ("model.padded vocab", model.padded_vocab_size, tp, "parallel.tensor_parallel"),
+            ("model.num_layers", model.num_layers, pp, "parallel.pipeline_parallel"),
+        ]
+        for name, value, divisor, by in rules:
+            if value % divisor:
+                raise ConfigError(f"{name}: {value} is not divisible by {by}={divisor}")
+
+
+@dataclass
+class Recipe:
+    """A whole recipe file. Later sections (data, training, ...) extend this class."""
+
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def validate(self) -> None:
+        self.parallel.check_model(self.model)
+
+
+def _read_yaml(path: Path, chain: tuple = ()) -> dict:
+    """A recipe's mapping, with `inherit: other.yaml` (relative to the file) merged under it."""
+    if path in chain:
+        raise ConfigError(f"{path}: inherit cycle through {' -> '.join(map(str, chain))}")
+    if not path.is_file():
+        raise ConfigError(f"{path}: recipe file not found")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a recipe must be a mapping of sections")
+    parent = data.pop("inherit", None)
+    if parent is None:
+        return data
+    return _deep_merge(_read_yaml((path.parent / parent).resolve(), chain + (path,)), data)
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _deep_merge(out[key], value) \
+            if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_recipe(path: str | Path, overrides: list[str] = (), cls: type = Recipe):
+    """Read a YAML recipe (following `inherit:`), apply dotted overrides, validate."""
+    path = Path(path).resolve()
+    data = apply_overrides(_read_yaml(path), list(overrides))
+    try:
+        return from_dict(cls, data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None

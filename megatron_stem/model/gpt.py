@@ -1,0 +1,110 @@
+"""The STEM decoder: megatron-core's GPTModel plus the token-id seam."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_stem import cpu_compat
+from megatron_stem.config import ModelConfig, ParallelConfig
+from megatron_stem.model.spec import block_spec
+
+
+class StemGPTModel(GPTModel):
+    """GPTModel that delivers the input token ids to every STEM MLP.
+
+    THE SEAM. megatron-core 0.16 calls an MLP with `hidden_states` and `padding_mask` only,
+    and threads `padding_mask` through every layer, through activation recompute (as a
+    checkpointed tensor argument, so the replay sees the same ids) and on every pipeline
+    stage (each stage's forward receives it, so nothing global can go stale under 1F1B).
+    We put the input token ids [b, s] in that slot. They stay the full sequence even under
+    sequence parallelism, where the base class would scatter a padding mask: the STEM gate
+    all-gathers the sequence before the lookup, so the table needs every position and no
+    collective. Only `StemMLP` reads the slot; dense MLPs ignore it. MoE layers, which
+    would read it as a padding mask, are not part of this model.
+
+    Consequence for callers: pass `input_ids` on every pipeline stage, not only the first.
+    """
+
+    def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
+                    packed_seq_params=None, padding_mask=None):
+        if padding_mask is not None:
+            raise ValueError("StemGPTModel uses the padding_mask slot for token ids; "
+                             "padding masks are not supported")
+        out = super()._preprocess(input_ids, position_ids, decoder_input, inference_context,
+                                  packed_seq_params, padding_mask=None)
+        return (*out[:5], input_ids, *out[6:])
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig,
+                       params_dtype: torch.dtype = torch.float32) -> TransformerConfig:
+    recompute = {}
+    if parallel.recompute == "full":
+        recompute = dict(recompute_granularity="full", recompute_method="uniform",
+                         recompute_num_layers=1)
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.kv_heads,
+        ffn_hidden_size=model.ffn_hidden_size,
+        tensor_model_parallel_size=parallel.tensor_parallel,
+        pipeline_model_parallel_size=parallel.pipeline_parallel,
+        sequence_parallel=parallel.sequence_parallel,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_std,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        pipeline_dtype=params_dtype if parallel.pipeline_parallel > 1 else None,
+        # The DeepSpeed engine owns gradients (no megatron DDP main_grad buffers).
+        gradient_accumulation_fusion=False,
+        # STEM and dense layers alternate: checkpoint each layer under its own key.
+        hetereogenous_dist_checkpoint=True,
+        **recompute,
+        **cpu_compat.transformer_config_overrides(),
+    )
+
+
+def build_model(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234,
+                params_dtype: torch.dtype = torch.float32) -> StemGPTModel:
+    """This rank's part of the model (its TP shard of its pipeline stage)."""
+    config = transformer_config(model, parallel, params_dtype)
+    _quiet_unknown_mlp_warning()
+    net = StemGPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(model, config, seed),
+        vocab_size=model.padded_vocab_size,
+        max_sequence_length=model.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not model.untie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(model.rotary_base),
+    )
+    if torch.cuda.is_available():
+        net.cuda(torch.cuda.current_device())
+    return net
+
+
+class _DropUnknownStemMLP(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Unknown MLP type")
+
+
+def _quiet_unknown_mlp_warning() -> None:
+    """TransformerLayer warns 'Unknown MLP type' for any MLP class it does not list; for
+    StemMLP that is expected (it takes its TP group from parallel_state), not a problem."""
+    logger = logging.getLogger("megatron.core.transformer.transformer_layer")
+    if not any(isinstance(f, _DropUnknownStemMLP) for f in logger.filters):
+        logger.addFilter(_DropUnknownStemMLP())

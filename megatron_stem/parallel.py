@@ -1,0 +1,96 @@
+"""Process groups: torch.distributed from torchrun/SLURM env, then megatron parallel state."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from megatron_stem import cpu_compat
+from megatron_stem.config import ParallelConfig
+from megatron_stem.errors import ConfigError
+
+
+def _env_int(*names: str, default: int) -> int:
+    for name in names:
+        if name in os.environ:
+            return int(os.environ[name])
+    return default
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def init_distributed(parallel: ParallelConfig, seed: int = 1234,
+                     timeout_minutes: int = 30) -> None:
+    """Join (or create) the process group and build TP/PP/DP groups.
+
+    Rank and world size come from torchrun (RANK, WORLD_SIZE, LOCAL_RANK) or from srun
+    (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID); a plain `python` run is a world of one.
+    NCCL on GPUs, gloo on CPU.
+    """
+    cpu_compat.apply()
+    rank = _env_int("RANK", "SLURM_PROCID", default=0)
+    world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+    local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+    if not dist.is_initialized():
+        if world == 1:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(
+            backend="nccl" if torch.cuda.is_available() else "gloo",
+            rank=rank, world_size=world,
+            timeout=datetime.timedelta(minutes=timeout_minutes))
+    world = dist.get_world_size()
+    model_parallel = parallel.tensor_parallel * parallel.pipeline_parallel
+    if world % model_parallel:
+        raise ConfigError(
+            f"parallel: world size {world} is not divisible by tensor_parallel x "
+            f"pipeline_parallel = {model_parallel}")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_parallel,
+        pipeline_model_parallel_size=parallel.pipeline_parallel)
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        cpu_compat.model_parallel_seed(seed)
+
+
+def destroy_distributed() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def allreduce_sequence_parallel_grads(model: torch.nn.Module) -> None:
+    """Sum the grads of params replicated across TP but fed different sequence slices.
+
+    Under sequence parallelism each TP rank sees only its slice of the sequence in the
+    norms, so their weight grads are partial sums (megatron marks these params with
+    `sequence_parallel=True`).
+    """
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    grads = [p.grad for p in model.parameters()
+             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)

@@ -1,0 +1,77 @@
+import pytest
+
+from megatron_stem.config import ModelConfig, Recipe, from_dict, load_recipe
+from megatron_stem.errors import ConfigError
+
+from conftest import ROOT
+
+BASE = {"hidden_size": 64, "num_layers": 16, "num_attention_heads": 4, "ffn_hidden_size": 128,
+        "vocab_size": 300, "seq_length": 32}
+
+
+def model(**kw) -> ModelConfig:
+    return from_dict(ModelConfig, {**BASE, **kw})
+
+
+@pytest.mark.parametrize("placement, expected", [
+    ("none", []),
+    ("1/3", [1, 4, 7, 10, 13]),
+    ("1/2", [1, 3, 5, 7, 9, 11, 13, 15]),
+    ("full", list(range(1, 16))),
+    ([5, 2], [2, 5]),
+])
+def test_placements(placement, expected):
+    assert model(stem_layers=placement).stem_layer_indices == expected
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"hiden_size": 64}, r"model\.hiden_size: unknown field \(did you mean 'hidden_size'\?\)"),
+    ({"num_layers": "16"}, r"model\.num_layers: expected an integer, got '16'"),
+    ({"untie_embeddings": 1}, r"model\.untie_embeddings: expected true/false"),
+    ({"stem_layers": "1/4"}, r"model\.stem_layers: expected one of .* or expected a list"),
+    ({"stem_layers": [0, 16]}, r"model\.stem_layers: index 16 is out of range for num_layers=16"),
+    ({"stem_layers": [1, 1]}, r"model\.stem_layers: duplicate index"),
+    ({"num_attention_heads": 5}, r"model\.hidden_size: 64 is not divisible by num_attention_"),
+    ({"num_query_groups": 3}, r"model\.num_query_groups: 3 must divide num_attention_heads=4"),
+    ({"vocab_size": 0}, r"model\.vocab_size: must be positive"),
+])
+def test_model_errors_name_the_field(data, message):
+    with pytest.raises(ConfigError, match=message):
+        from_dict(Recipe, {"model": {**BASE, **data}})
+
+
+def test_layout_must_fit_the_model():
+    with pytest.raises(ConfigError, match=r"model\.ffn_hidden_size: 128 is not divisible by "
+                                          r"parallel\.tensor_parallel=3"):
+        from_dict(Recipe, {"model": {**BASE, "num_attention_heads": 1},
+                           "parallel": {"tensor_parallel": 3}})
+    with pytest.raises(ConfigError, match=r"model\.num_layers: 16 is not divisible by "
+                                          r"parallel\.pipeline_parallel=3"):
+        from_dict(Recipe, {"model": BASE, "parallel": {"pipeline_parallel": 3}})
+    with pytest.raises(ConfigError, match=r"parallel\.sequence_parallel: needs tensor_parallel"):
+        from_dict(Recipe, {"model": BASE, "parallel": {"sequence_parallel": True}})
+    with pytest.raises(ConfigError, match=r"model: required field is missing"):
+        from_dict(Recipe, {"parallel": {}})
+
+
+def test_recipes_inherit_and_accept_overrides(tmp_path):
+    recipe = load_recipe(ROOT / "recipes" / "stem_1b.yaml",
+                         ["model.stem_layers=[2, 3]", "parallel.tensor_parallel=2"])
+    assert recipe.model.hidden_size == 2048 and recipe.model.stem_layer_indices == [2, 3]
+    assert recipe.parallel.tensor_parallel == 2
+    with pytest.raises(ConfigError, match=r"stem_1b\.yaml: model\.hidden_sise: unknown field"):
+        load_recipe(ROOT / "recipes" / "stem_1b.yaml", ["model.hidden_sise=3"])
+    with pytest.raises(ConfigError, match="recipe file not found"):
+        load_recipe(tmp_path / "nope.yaml")
+    (tmp_path / "a.yaml").write_text("inherit: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("inherit: a.yaml\n")
+    with pytest.raises(ConfigError, match="inherit cycle"):
+        load_recipe(tmp_path / "a.yaml")
+
+
+def test_every_shipped_recipe_loads():
+    names = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
+    assert {"stem_1b.yaml", "dense_1b.yaml", "tiny_cpu.yaml", "stem_350m_third.yaml",
+            "stem_350m_half.yaml", "stem_350m_full.yaml", "dense_350m.yaml"} <= set(names)
+    for name in names:
+        load_recipe(ROOT / "recipes" / name)

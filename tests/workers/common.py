@@ -1,0 +1,57 @@
+"""Helpers shared by the multi-process test workers (run under torchrun)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from megatron_stem.config import ModelConfig
+
+TINY = dict(hidden_size=64, num_layers=4, num_attention_heads=4, num_query_groups=2,
+            ffn_hidden_size=128, vocab_size=300, seq_length=32)
+
+
+def tiny_model(stem_layers="1/2") -> ModelConfig:
+    return ModelConfig(**TINY, stem_layers=stem_layers)
+
+
+def microbatches(model: ModelConfig, count=2, batch=2, seed=0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        seq = torch.randint(0, model.vocab_size, (batch, model.seq_length + 1), generator=g)
+        out.append({"tokens": seq[:, :-1], "labels": seq[:, 1:],
+                    "loss_mask": torch.ones(batch, model.seq_length)})
+    return out
+
+
+def _gather_tp(param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
+    if not getattr(param, "tensor_model_parallel", False) or \
+            parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return tensor.detach().clone()
+    group = parallel_state.get_tensor_model_parallel_group()
+    shards = [torch.empty_like(tensor) for _ in range(group.size())]
+    dist.all_gather(shards, tensor.detach().contiguous(), group=group)
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    # A stride-2 shard ([gate_r; up_r] of a SwiGLU fc1) interleaves: gate parts first.
+    parts = [chunk for j in range(stride) for shard in shards
+             for chunk in [shard.chunk(stride, dim)[j]]]
+    return torch.cat(parts, dim)
+
+
+def full_named(model, config, what: str) -> dict[str, torch.Tensor]:
+    """This stage's params or grads, gathered over TP, named by global layer index."""
+    offset = get_transformer_layer_offset(config)
+    out = {}
+    for name, p in model.named_parameters():
+        tensor = p if what == "param" else p.grad
+        if tensor is None:
+            continue
+        name = re.sub(r"decoder\.layers\.(\d+)\.",
+                      lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
+        out[name] = _gather_tp(p, tensor)
+    return out

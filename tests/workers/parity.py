@@ -1,0 +1,64 @@
+"""Forward/backward of a tiny model on one parallel layout; dumps loss, grads, logits.
+
+    torchrun --nproc_per_node N parity.py --out DIR [--tp 2] [--pp 2] [--sp]
+             [--recompute] [--load CKPT] [--save CKPT] [--stem 1/2] [--seed N]
+"""
+
+import argparse
+import os
+
+import torch
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+from common import full_named, microbatches, tiny_model
+from megatron_stem.config import ParallelConfig
+from megatron_stem.model import build_model
+from megatron_stem.parallel import allreduce_sequence_parallel_grads, destroy_distributed, \
+    init_distributed
+from megatron_stem.schedule import forward_backward
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--sp", action="store_true")
+    ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--stem", default="1/2")
+    ap.add_argument("--load")
+    ap.add_argument("--save")
+    ap.add_argument("--seed", type=int, default=1234)
+    args = ap.parse_args()
+
+    parallel = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp,
+                              sequence_parallel=args.sp,
+                              recompute="full" if args.recompute else "none")
+    init_distributed(parallel, seed=args.seed)
+    cfg = tiny_model(args.stem)
+    model = build_model(cfg, parallel, seed=args.seed)
+    if args.load:
+        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), args.load))
+
+    batches = microbatches(cfg)
+    result = {"params": full_named(model, model.config, "param")}
+    if args.pp == 1:
+        model.eval()
+        with torch.no_grad():
+            logits = model(batches[0]["tokens"], None, None)
+        result["logits"] = gather_from_tensor_model_parallel_region(logits)
+        model.train()
+    result["loss"] = forward_backward(model, batches)
+    allreduce_sequence_parallel_grads(model)
+    result["grads"] = full_named(model, model.config, "grad")
+
+    if args.save:
+        dist_checkpointing.save(model.sharded_state_dict(), args.save)
+    rank = torch.distributed.get_rank()
+    torch.save(result, os.path.join(args.out, f"rank{rank}.pt"))
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
