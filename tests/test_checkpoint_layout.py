@@ -1,0 +1,49 @@
+"""Checkpoint folders: atomic commit, `latest`, keep-last-k, clear errors."""
+
+import pytest
+import torch
+
+from megatron_stem import checkpoint
+from megatron_stem.config import ParallelConfig, Recipe
+from megatron_stem.errors import UserError
+from megatron_stem.model import build_model
+from workers.common import tiny_model
+
+
+def test_model_round_trip_and_latest_pointer(world1, tmp_path):
+    recipe = Recipe(model=tiny_model())
+    model = build_model(recipe.model, ParallelConfig(), seed=1)
+    for step in (10, 20, 30):
+        with checkpoint.Writer(tmp_path, step, recipe, keep_last=2) as folder:
+            checkpoint.save_model(model, folder)
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000030"
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000020", "iter_0000030"]
+
+    other = build_model(recipe.model, ParallelConfig(), seed=2)
+    ckpt = checkpoint.resolve(tmp_path)
+    assert checkpoint.read_recipe(ckpt) == recipe
+    checkpoint.load_model(other, ckpt)
+    for (name, a), (_, b) in zip(model.state_dict().items(), other.state_dict().items()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), name
+
+
+def test_crash_mid_save_keeps_last_good_checkpoint(world1, tmp_path):
+    recipe = Recipe(model=tiny_model())
+    model = build_model(recipe.model, ParallelConfig())
+    with checkpoint.Writer(tmp_path, 1, recipe) as folder:
+        checkpoint.save_model(model, folder)
+    with pytest.raises(RuntimeError, match="disk full"):
+        with checkpoint.Writer(tmp_path, 2, recipe) as folder:
+            raise RuntimeError("disk full")
+    assert checkpoint.latest(tmp_path).name == "iter_0000001"
+    with pytest.raises(UserError, match="not a complete megatron-stem checkpoint"):
+        checkpoint.resolve(tmp_path / "iter_0000002.tmp")
+    with pytest.raises(UserError, match="no such checkpoint folder"):
+        checkpoint.resolve(tmp_path / "nope")
+
+
+def test_other_model_shape_is_a_clear_error():
+    a, b = Recipe(model=tiny_model()), Recipe(model=tiny_model("none"))
+    with pytest.raises(UserError, match=r"model\.stem_layers: checkpoint '1/2', recipe 'none'"):
+        checkpoint.check_same_shape(a, b, "ckpt")
