@@ -29,9 +29,13 @@ class Accounting:
         return asdict(self)
 
     def summary(self) -> str:
-        return (f"total {self.total_params / 1e9:.3f}B, active {self.active_params / 1e9:.3f}B,"
-                f" tables {self.table_params / 1e9:.3f}B,"
-                f" {self.flops_per_token / 1e9:.3f} GFLOPs/token")
+        return (f"total {_count(self.total_params)}, active {_count(self.active_params)}, "
+                f"tables {_count(self.table_params)}, "
+                f"{_count(self.flops_per_token)} FLOPs/token")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def account(model: ModelConfig) -> Accounting:

@@ -237,12 +237,93 @@ class ParallelConfig:
                 raise ConfigError(f"{name}: {value} is not divisible by {by}={divisor}")
 
 
+# ---------------------------------------------------------------------------------------
+# Data, optimizers, training
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class DataConfig:
+    # `.bin/.idx` path prefixes (without the extension), mixed by `weights` (default equal).
+    prefixes: list[str] = field(default_factory=list)
+    weights: Optional[list[float]] = None
+    split: str = "98,2,0"  # train, valid, test proportions of each prefix's documents
+    tokenizer_type: Literal["sentencepiece", "huggingface"] = "sentencepiece"
+    tokenizer_model: str = ""
+    cache_dir: Optional[str] = None  # megatron's sample index cache; default <save_dir>/data_cache
+
+    def validate(self) -> None:
+        if self.weights is not None and len(self.weights) != len(self.prefixes):
+            raise ConfigError(f"weights: {len(self.weights)} weights for "
+                              f"{len(self.prefixes)} prefixes")
+        parts = self.split.split(",")
+        if len(parts) != 3 or not all(p.strip().replace(".", "", 1).isdigit() for p in parts):
+            raise ConfigError(f"split: expected three numbers like '98,2,0', got {self.split!r}")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW for the dense (backbone) parameters, inside the DeepSpeed engine."""
+
+    lr: float = 4e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr x min_lr_ratio
+    warmup_steps: int = 2000
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0  # global norm over backbone and tables together; 0 = off
+    zero_stage: Literal[1, 2] = 1
+    offload: bool = False  # ZeRO-Offload of the dense optimizer to CPU (DeepSpeed CPU Adam)
+
+
+@dataclass
+class TableOptimConfig:
+    """The STEM tables' own optimizer (training/table_optim.py)."""
+
+    update: Literal["dense", "lazy"] = "lazy"
+    lr_mult: float = 1.0
+    weight_decay: float = 0.1
+    # "deepspeed": DeepSpeed's CPU Adam kernel (JIT-built once); "torch": same math in torch.
+    kernel: Literal["deepspeed", "torch"] = "deepspeed"
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 4
+    global_batch_size: int = 512
+    steps: int = 1000
+    seed: int = 1234
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    log_interval: int = 10
+    eval_interval: int = 500
+    eval_iters: int = 10
+    save_interval: int = 1000
+    keep_last: int = 3
+    save_dir: str = "runs/default"
+    # Peak dense bf16 FLOP/s of one accelerator, for MFU (H100/H200 SXM: 989e12).
+    peak_flops: float = 989e12
+
+    def validate(self) -> None:
+        for name in ("micro_batch_size", "global_batch_size", "steps", "log_interval",
+                     "eval_interval", "save_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(f"global_batch_size: {self.global_batch_size} is not a multiple "
+                              f"of micro_batch_size={self.micro_batch_size}")
+
+
 @dataclass
 class Recipe:
-    """A whole recipe file. Later sections (data, training, ...) extend this class."""
+    """A whole recipe file: the model, its layout, and how to train it."""
 
     model: ModelConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    tables: TableOptimConfig = field(default_factory=TableOptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> None:
         self.parallel.check_model(self.model)

@@ -75,22 +75,3 @@ def destroy_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def allreduce_sequence_parallel_grads(model: torch.nn.Module) -> None:
-    """Sum the grads of params replicated across TP but fed different sequence slices.
-
-    Under sequence parallelism each TP rank sees only its slice of the sequence in the
-    norms, so their weight grads are partial sums (megatron marks these params with
-    `sequence_parallel=True`).
-    """
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
-        return
-    grads = [p.grad for p in model.parameters()
-             if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if not grads:
-        return
-    flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
-    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        g.copy_(synced)

@@ -14,8 +14,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from common import full_named, microbatches, tiny_model
 from megatron_stem.config import ParallelConfig
 from megatron_stem.model import build_model
-from megatron_stem.parallel import allreduce_sequence_parallel_grads, destroy_distributed, \
-    init_distributed
+from megatron_stem.parallel import destroy_distributed, init_distributed
 from megatron_stem.schedule import forward_backward
 
 
@@ -50,7 +49,6 @@ def main():
         result["logits"] = gather_from_tensor_model_parallel_region(logits)
         model.train()
     result["loss"] = forward_backward(model, batches)
-    allreduce_sequence_parallel_grads(model)
     result["grads"] = full_named(model, model.config, "grad")
 
     if args.save:

@@ -1,0 +1,225 @@
+"""Pretrain a STEM model (or its dense baseline).
+
+    torchrun --nproc_per_node N -m megatron_stem.train --recipe recipes/stem_1b.yaml \
+        [section.field=value ...]
+
+Resumes from `<train.save_dir>/latest` when there is one. On SIGUSR1/SIGTERM (SLURM
+preemption, `--signal`) it saves a checkpoint and exits with `EXIT_REQUEUE`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from megatron_stem import checkpoint
+from megatron_stem.accounting import account
+from megatron_stem.config import Recipe, load_recipe
+from megatron_stem.errors import ConfigError, UserError
+from megatron_stem.model import build_model
+from megatron_stem.parallel import destroy_distributed, device, init_distributed
+from megatron_stem.training.data import StepBatches, build_datasets, check_prefixes
+from megatron_stem.training.engine import build_engine, clip_coefficient
+from megatron_stem.training.lr import lr_at
+from megatron_stem.training.metrics import Metrics, memory_gb
+from megatron_stem.training.state import (
+    load_optimizers,
+    load_train_state,
+    save_optimizers,
+    save_train_state,
+)
+
+EXIT_REQUEUE = 99  # stopped by a signal after saving: the job should be requeued
+
+
+class Preemption:
+    """A flag set by SIGUSR1/SIGTERM; ranks agree on it once per step."""
+
+    def __init__(self):
+        self._flag = False
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._set)
+
+    def _set(self, signum, frame):
+        self._flag = True
+
+    def requested(self) -> bool:
+        flag = torch.tensor([float(self._flag)], device=device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def _mean_over_dp(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device())
+    dist.all_reduce(t, group=ps.get_data_parallel_group())
+    return t.item() / ps.get_data_parallel_world_size()
+
+
+def _token_mean_loss(model_or_engine, batch: dict) -> torch.Tensor:
+    per_token = model_or_engine(batch["tokens"], None, None, labels=batch["labels"])
+    mask = batch["loss_mask"].float()
+    return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+
+
+def train_step(engine, tables, microbatches: list[dict]) -> float:
+    """Forward/backward every micro-batch, then the engine's (dense) optimizer step.
+    The tables' gradients are synced at the accumulation boundary, before the engine
+    computes the global grad norm that includes them."""
+    total = 0.0
+    for batch in microbatches:
+        loss = _token_mean_loss(engine, batch)
+        engine.backward(loss)
+        total += loss.item()
+        if engine.is_gradient_accumulation_boundary():
+            tables.sync_grads()
+        engine.step()
+    return total / len(microbatches)
+
+
+@torch.no_grad()
+def evaluate(model, microbatches: list[dict]) -> float:
+    model.eval()
+    loss = sum(_token_mean_loss(model, b).item() for b in microbatches) / len(microbatches)
+    model.train()
+    return _mean_over_dp(loss)
+
+
+def _load_tokenizer(recipe: Recipe):
+    from megatron_stem.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(recipe.data.tokenizer_type, recipe.data.tokenizer_model)
+    if tokenizer.vocab_size > recipe.model.vocab_size:
+        raise UserError(
+            f"data.tokenizer_model: {recipe.data.tokenizer_model} has {tokenizer.vocab_size} "
+            f"tokens but model.vocab_size is {recipe.model.vocab_size}")
+    return tokenizer
+
+
+def _save(save_dir, step, recipe, model, engine, tables) -> None:
+    with checkpoint.Writer(save_dir, step, recipe, recipe.train.keep_last) as folder:
+        checkpoint.save_model(model, folder)
+        save_optimizers(model, engine.optimizer, tables, folder)
+        if dist.get_rank() == 0:
+            save_train_state(folder, step, {"consumed_samples":
+                                            step * recipe.train.global_batch_size})
+
+
+def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
+    """Train per `recipe`; returns {"losses": [per step run here], "valid": [...],
+    "step": last step, "preempted": bool}. `on_step(step)` is called after every step
+    (for tools and tests: profiling, fault injection)."""
+    train, opt = recipe.train, recipe.optimizer
+    if recipe.parallel.pipeline_parallel > 1:
+        raise ConfigError("parallel.pipeline_parallel: training runs under the DeepSpeed "
+                          "engine, which cannot pipeline a megatron model; use tensor "
+                          "parallelism (checkpoints saved this way load at any PP)")
+    check_prefixes(recipe.data.prefixes)
+    tokenizer = tokenizer or _load_tokenizer(recipe)
+    init_distributed(recipe.parallel, seed=train.seed)
+    try:
+        save_dir = Path(train.save_dir)
+        rank0 = dist.get_rank() == 0
+        ckpt = checkpoint.latest(save_dir)
+        model = build_model(recipe.model, recipe.parallel, seed=train.seed)
+        step = 0
+        if ckpt is not None:
+            checkpoint.check_same_shape(checkpoint.read_recipe(ckpt), recipe, ckpt)
+            checkpoint.load_model(model, ckpt)
+            step = load_train_state(ckpt)["step"]
+        engine, tables, norms = build_engine(model, recipe)
+        if ckpt is not None:
+            load_optimizers(model, engine.optimizer, tables, ckpt, step)
+
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        per_eval = train.eval_iters * train.micro_batch_size * dp
+        train_ds, valid_ds = build_datasets(
+            recipe, tokenizer, train.steps * train.global_batch_size, per_eval,
+            recipe.data.cache_dir or str(save_dir / "data_cache"))
+        batches = StepBatches(train_ds, train.micro_batch_size, train.global_batch_size,
+                              dp_rank, dp, device())
+        valid = StepBatches(valid_ds, train.micro_batch_size, per_eval, dp_rank, dp,
+                            device()).microbatches(0)
+        metrics = Metrics(str(save_dir / "tensorboard"), enabled=rank0, purge_step=step)
+        if rank0:
+            print(f"model: {account(recipe.model).summary()} | world {dist.get_world_size()}"
+                  f" = TP {recipe.parallel.tensor_parallel} x DP {dp} | "
+                  f"{'resuming from ' + str(ckpt) if ckpt else 'from scratch'}", flush=True)
+
+        result = {"losses": [], "valid": [], "step": step, "preempted": False}
+        preemption = Preemption()
+        tokens_per_step = train.global_batch_size * recipe.model.seq_length
+        flops_per_token = 6 * account(recipe.model).active_params + \
+            12 * recipe.model.num_layers * recipe.model.hidden_size * recipe.model.seq_length
+        while step < train.steps:
+            lr = lr_at(step, opt, train.steps)
+            for group in engine.optimizer.param_groups:
+                group["lr"] = lr
+            loss = _mean_over_dp(train_step(engine, tables, batches.microbatches(step)))
+            tables.step(lr, clip_coefficient(norms, opt.clip_grad))
+            step += 1
+            result["losses"].append(loss)
+            if on_step is not None:
+                on_step(step)
+            metrics.count_tokens(tokens_per_step)
+            if step % train.log_interval == 0 or step == train.steps:
+                tok_s = metrics.throughput()
+                scalars = {"train/loss": loss, "train/lr": lr,
+                           "grad_norm/total": norms.total, "grad_norm/backbone": norms.backbone,
+                           "grad_norm/tables": norms.tables,
+                           "tables/unique_rows": tables.touched_rows,
+                           "tables/dp_comm_bytes": tables.last_comm_bytes,
+                           "throughput/tokens_per_s": tok_s, "memory/gb": memory_gb()}
+                mfu = ""
+                if torch.cuda.is_available():
+                    scalars["throughput/mfu"] = tok_s * flops_per_token / (
+                        train.peak_flops * dist.get_world_size())
+                    mfu = f" | MFU {scalars['throughput/mfu']:.1%}"
+                metrics.log(step, scalars,
+                            f"step {step}/{train.steps} | loss {loss:.4f} | lr {lr:.2e} | grad "
+                            f"{norms.total:.3f} (backbone {norms.backbone:.3f}, tables "
+                            f"{norms.tables:.3f}) | rows {tables.touched_rows} | "
+                            f"{tok_s:,.0f} tok/s{mfu} | mem {memory_gb():.2f} GB")
+            if step % train.eval_interval == 0 or step == train.steps:
+                val = evaluate(model, valid)
+                result["valid"].append(val)
+                metrics.log(step, {"valid/loss": val, "valid/ppl": math.exp(min(val, 50))},
+                            f"step {step} | valid loss {val:.4f} | ppl {math.exp(min(val, 50)):.2f}")
+            stop = preemption.requested()
+            if step % train.save_interval == 0 or step == train.steps or stop:
+                _save(save_dir, step, recipe, model, engine, tables)
+                metrics.log(step, {}, f"step {step} | saved {save_dir / checkpoint.iter_name(step)}")
+            if stop:
+                result["preempted"] = True
+                metrics.log(step, {}, f"step {step} | stop signal: checkpoint saved, exiting "
+                                      f"for requeue")
+                break
+        result["step"] = step
+        metrics.close()
+        return result
+    finally:
+        destroy_distributed()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_stem.train",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", required=True, help="a YAML file in recipes/")
+    parser.add_argument("overrides", nargs="*", help="section.field=value (YAML values)")
+    args = parser.parse_args(argv)
+    try:
+        result = run(load_recipe(args.recipe, args.overrides))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return EXIT_REQUEUE if result["preempted"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

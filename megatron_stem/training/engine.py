@@ -1,0 +1,164 @@
+"""DeepSpeed for the dense parameters, our table optimizer for the STEM tables.
+
+The DeepSpeed engine owns every parameter but the tables: ZeRO-1/2 partitions their
+optimizer states (and, at stage 2, gradients) over data parallel, optionally offloaded to
+CPU. The tables are trained by `TableOptimizer` (row-sparse, CPU-resident states).
+Gradient clipping uses one global norm over both: the engine's ZeRO optimizer is handed
+the tables' share of the norm (see `_include_tables_in_grad_norm`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from pathlib import Path
+
+import torch
+from megatron.core import parallel_state as ps
+
+from megatron_stem.config import Recipe
+from megatron_stem.errors import ConfigError
+from megatron_stem.model.table import StemTable
+from megatron_stem.training.table_optim import TableOptimizer
+
+
+class MegatronMpu:
+    """DeepSpeed's `mpu` protocol answered from megatron-core's parallel state (DeepSpeed
+    still asks for the pre-0.5 names that megatron-core no longer has)."""
+
+    get_model_parallel_rank = staticmethod(ps.get_tensor_model_parallel_rank)
+    get_model_parallel_world_size = staticmethod(ps.get_tensor_model_parallel_world_size)
+    get_model_parallel_group = staticmethod(ps.get_tensor_model_parallel_group)
+    get_tensor_model_parallel_rank = staticmethod(ps.get_tensor_model_parallel_rank)
+    get_tensor_model_parallel_world_size = staticmethod(ps.get_tensor_model_parallel_world_size)
+    get_tensor_model_parallel_group = staticmethod(ps.get_tensor_model_parallel_group)
+    get_data_parallel_rank = staticmethod(ps.get_data_parallel_rank)
+    get_data_parallel_world_size = staticmethod(ps.get_data_parallel_world_size)
+    get_data_parallel_group = staticmethod(ps.get_data_parallel_group)
+    get_pipeline_model_parallel_rank = staticmethod(ps.get_pipeline_model_parallel_rank)
+    get_pipeline_model_parallel_world_size = staticmethod(
+        ps.get_pipeline_model_parallel_world_size)
+    get_pipeline_model_parallel_group = staticmethod(ps.get_pipeline_model_parallel_group)
+
+
+def set_extensions_cache() -> None:
+    """Key DeepSpeed's JIT-op cache by CPU model: ops are built with -march=native, and a
+    home directory shared by nodes of different CPUs would otherwise load illegal code."""
+    if "TORCH_EXTENSIONS_DIR" in os.environ:
+        return
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    key = hashlib.sha1(cpu.encode()).hexdigest()[:10]
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(Path.home() / ".cache" / "torch_extensions" / key)
+
+
+def split_parameters(model: torch.nn.Module):
+    """(decayed dense, undecayed dense, tables as (name, param)) for the optimizers."""
+    decay, no_decay, tables = [], [], []
+    for name, p in model.named_parameters():
+        if getattr(p, "stem_table", False):
+            tables.append((name, p))
+        elif p.ndim < 2:  # norms: no weight decay (Megatron and Llama practice)
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return decay, no_decay, tables
+
+
+def deepspeed_config(recipe: Recipe, dp_size: int) -> dict:
+    train, opt = recipe.train, recipe.optimizer
+    per_step = train.micro_batch_size * dp_size
+    if train.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size: {train.global_batch_size} is not a multiple of "
+            f"micro_batch_size x data-parallel size = {per_step}")
+    zero = {"stage": opt.zero_stage}
+    if opt.offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_batch_size": train.global_batch_size,
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.global_batch_size // per_step,
+        "zero_optimization": zero,
+        "gradient_clipping": opt.clip_grad,
+        "bf16": {"enabled": train.dtype == "bf16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2 ** 62,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _dense_optimizer(recipe: Recipe, decay, no_decay):
+    opt = recipe.optimizer
+    groups = [{"params": decay, "weight_decay": opt.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    kwargs = dict(lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps)
+    if opt.offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    return torch.optim.AdamW(groups, fused=torch.cuda.is_available(), **kwargs)
+
+
+class GradNorms:
+    """The last step's gradient norms: backbone, tables, and the global one clipped by."""
+
+    backbone = tables = total = 0.0
+
+
+def _include_tables_in_grad_norm(zero_optimizer, tables: TableOptimizer,
+                                 norms: GradNorms) -> None:
+    """Make the ZeRO optimizer clip by the norm over backbone *and* tables.
+
+    DeepSpeed's ZeRO-1/2 computes its (loss-scaled) global norm in `scaled_global_norm`
+    and clips its own partitions by it; it never sees the tables. We wrap that one method
+    on this optimizer instance to add the tables' share, so both clip by the same norm.
+    """
+    backbone_norm = zero_optimizer.scaled_global_norm
+
+    def global_norm(norm_type=2):
+        scale = float(getattr(zero_optimizer, "loss_scale", 1.0))
+        backbone = float(backbone_norm(norm_type)) / scale
+        table_sq = tables.grad_norm_sq()
+        norms.backbone, norms.tables = backbone, table_sq ** 0.5
+        norms.total = (backbone ** 2 + table_sq) ** 0.5
+        return torch.tensor(norms.total * scale, device=zero_optimizer.device)
+
+    zero_optimizer.scaled_global_norm = global_norm
+
+
+def build_engine(model: torch.nn.Module, recipe: Recipe):
+    """Wrap `model` in a DeepSpeed engine; returns (engine, table optimizer, norms)."""
+    set_extensions_cache()
+    import deepspeed
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    decay, no_decay, tables = split_parameters(model)
+    for module in model.modules():
+        if isinstance(module, StemTable):
+            module.sparse_grad = True
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, optimizer=_dense_optimizer(recipe, decay, no_decay),
+        config=deepspeed_config(recipe, ps.get_data_parallel_world_size()), mpu=MegatronMpu())
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer):
+        raise RuntimeError(f"expected DeepSpeed's ZeRO-1/2 optimizer, got {type(optimizer)}")
+    opt, tab = recipe.optimizer, recipe.tables
+    table_optimizer = TableOptimizer(
+        tables, update=tab.update, lr_mult=tab.lr_mult, weight_decay=tab.weight_decay,
+        betas=(opt.beta1, opt.beta2), eps=opt.eps, kernel=tab.kernel,
+        dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group())
+    norms = GradNorms()
+    _include_tables_in_grad_norm(optimizer, table_optimizer, norms)
+    return engine, table_optimizer, norms
+
+
+def clip_coefficient(norms: GradNorms, clip_grad: float) -> float:
+    """The factor DeepSpeed applied to the backbone grads; the tables get the same."""
+    if clip_grad <= 0 or norms.total <= clip_grad:
+        return 1.0
+    return clip_grad / (norms.total + 1e-6)

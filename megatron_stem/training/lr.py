@@ -1,0 +1,14 @@
+"""Learning rate: linear warmup, then cosine decay to `lr x min_lr_ratio`."""
+
+import math
+
+from megatron_stem.config import OptimizerConfig
+
+
+def lr_at(step: int, opt: OptimizerConfig, total_steps: int) -> float:
+    if step < opt.warmup_steps:
+        return opt.lr * (step + 1) / opt.warmup_steps
+    decay_steps = max(1, total_steps - opt.warmup_steps)
+    progress = min(1.0, (step - opt.warmup_steps) / decay_steps)
+    floor = opt.lr * opt.min_lr_ratio
+    return floor + (opt.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))

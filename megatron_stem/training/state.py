@@ -1,0 +1,134 @@
+"""Saving and restoring everything a run needs to continue exactly where it stopped.
+
+Optimizer states are written as a megatron dist checkpoint sharded exactly like the model
+parameters they belong to (TP-sliced, replicated over DP), so a checkpoint saved at one
+TP/DP layout resumes at any other: DeepSpeed's ZeRO partitions are assembled per parameter
+with its `safe_get_full_*` API on save and scattered back with `safe_set_full_*` on load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from deepspeed.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
+from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+from megatron_stem.training.table_optim import TableOptimizer
+
+OPTIM = "optim"
+TRAIN_STATE = "train_state.pt"
+STATE_KEYS = ("fp32_param", "exp_avg", "exp_avg_sq")
+
+
+def _param_shardings(model) -> dict[int, ShardedTensor | ShardedTensorFactory]:
+    return {id(sh.data): sh for sh in nested_values(model.sharded_state_dict())
+            if isinstance(sh, (ShardedTensor, ShardedTensorFactory))}
+
+
+def _dense_states(param) -> dict[str, torch.Tensor]:
+    return {"fp32_param": safe_get_full_fp32_param(param),
+            "exp_avg": safe_get_full_optimizer_state(param, "exp_avg"),
+            "exp_avg_sq": safe_get_full_optimizer_state(param, "exp_avg_sq")}
+
+
+def _optimizer_sharded_state(model, tables: TableOptimizer, states_of) -> dict:
+    """{`<state>.<param key>`: sharded tensor} for every parameter; `states_of(name, p)`
+    returns the parameter's three state tensors."""
+    shardings = _param_shardings(model)
+    out = {}
+    for name, param in model.named_parameters():
+        sh = shardings[id(param)]
+        for key, tensor in states_of(name, param).items():
+            out[f"{key}.{sh.key}"] = make_sharded_optimizer_tensor(sh, tensor, f"optimizer.{key}")
+    return out
+
+
+def _link_optimizer_states(zero_optimizer) -> None:
+    """Point every parameter at its slice of the optimizer states.
+
+    DeepSpeed 0.19 links them once, right after the first param group's first step, when
+    later groups (our no-weight-decay norms) have no state yet: their `safe_get_full_*`
+    would fail. Linking all groups again once every group has state fixes that.
+    """
+    for i, _ in enumerate(zero_optimizer.optimizer.param_groups):
+        lazy_init_hp_params_optimizer_state(zero_optimizer.bit16_groups[i],
+                                            zero_optimizer.single_partition_of_fp32_groups[i],
+                                            zero_optimizer.optimizer.state)
+
+
+def save_optimizers(model, zero_optimizer, tables: TableOptimizer, folder: Path) -> None:
+    table_states = tables.state_tensors()
+    _link_optimizer_states(zero_optimizer)
+
+    def states_of(name, param):
+        if name in table_states:
+            return table_states[name]
+        if param.device.type != "cpu":  # gather to CPU once here, not inside the writer
+            return {k: v.cpu() for k, v in _dense_states(param).items()}
+        return _dense_states(param)
+
+    (folder / OPTIM).mkdir(exist_ok=True)
+    dist_checkpointing.save(_optimizer_sharded_state(model, tables, states_of),
+                            str(folder / OPTIM))
+
+
+def _create_dense_states(zero_optimizer, step: int) -> None:
+    """Materialize the inner optimizer's (lazily created) per-partition Adam states, with
+    the resumed step count for bias correction, so `safe_set_full_*` has tensors to fill."""
+    inner = zero_optimizer.optimizer
+    for group in inner.param_groups:
+        for p in group["params"]:
+            state = inner.state[p]
+            if isinstance(state.get("step"), int) or type(inner).__name__ == "DeepSpeedCPUAdam":
+                state["step"] = step
+            else:  # torch AdamW keeps a float tensor (on the param's device when fused)
+                state["step"] = torch.tensor(float(step), dtype=torch.float32,
+                                             device=p.device if group.get("fused") else "cpu")
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+
+
+def load_optimizers(model, zero_optimizer, tables: TableOptimizer, ckpt: Path,
+                    step: int) -> None:
+    table_states = tables.state_tensors()
+    _create_dense_states(zero_optimizer, step)
+    _link_optimizer_states(zero_optimizer)
+
+    def placeholders(name, param):
+        if name in table_states:
+            return {k: torch.empty_like(v) for k, v in table_states[name].items()}
+        return {k: torch.empty(param.shape, dtype=torch.float32) for k in STATE_KEYS}
+
+    loaded = dist_checkpointing.load(
+        _optimizer_sharded_state(model, tables, placeholders), str(ckpt / OPTIM))
+    shardings = _param_shardings(model)
+    restored_tables = {}
+    for name, param in model.named_parameters():
+        key = shardings[id(param)].key
+        states = {k: loaded[f"{k}.{key}"] for k in STATE_KEYS}
+        if name in table_states:
+            restored_tables[name] = states
+            continue
+        safe_set_full_fp32_param(param, states["fp32_param"].to(param.device))
+        for k in ("exp_avg", "exp_avg_sq"):
+            safe_set_full_optimizer_state(param, states[k].to(param.device), k)
+    tables.load_state_tensors(restored_tables, step)
+
+
+def save_train_state(folder: Path, step: int, extra: dict) -> None:
+    torch.save({"step": step, "rng_cpu": torch.get_rng_state(), **extra},
+               folder / TRAIN_STATE)
+
+
+def load_train_state(ckpt: Path) -> dict:
+    return torch.load(ckpt / TRAIN_STATE, weights_only=False)

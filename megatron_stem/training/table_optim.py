@@ -1,0 +1,202 @@
+"""The STEM tables' optimizer, ZeRO-Offload style, outside the DeepSpeed engine.
+
+Why outside: DeepSpeed's ZeRO cannot take sparse gradients, and a dense gradient of all
+tables (21 GB fp32 at 1B) per step would cost more than the whole backbone. So:
+
+* the model's table parameters produce row-sparse gradients (`StemTable.sparse_grad`):
+  only the rows of the micro-batches' token ids;
+* `sync_grads` averages them over data parallel on the union of the ranks' rows (one
+  all-reduce of `rows x width` per table), exactly like the engine averages dense grads;
+* fp32 master weights and Adam moments live in CPU memory; DeepSpeed's CPU Adam kernel
+  updates them and the changed rows are copied back into the model's table.
+
+Update semantics (`TableOptimConfig.update`):
+* `dense`: AdamW on every row every step, untouched rows with a zero gradient (the
+  paper's reference code): momentum and weight decay keep moving unseen rows.
+* `lazy`: Adam on the touched rows only (torch `SparseAdam` semantics: a row's moments
+  change only when it is touched, bias correction follows the global step; decoupled
+  weight decay applies to touched rows). Cost follows touched rows, not vocabulary.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_kernel_ids = itertools.count(10_000)  # DeepSpeed keys CPU Adam instances by integer id
+
+
+class AdamKernel:
+    """In-place AdamW on contiguous fp32 CPU tensors: DeepSpeed's `cpu_adam` op, or the
+    same arithmetic in torch where the op cannot be built (no compiler)."""
+
+    def __init__(self, kind: str, betas: tuple[float, float], eps: float):
+        self.betas, self.eps = betas, eps
+        self.op = None
+        if kind == "deepspeed":
+            from deepspeed.ops.op_builder import CPUAdamBuilder
+
+            self.op = CPUAdamBuilder().load()
+            self.id = next(_kernel_ids)
+            self.op.create_adam(self.id, 0.0, betas[0], betas[1], eps, 0.0, True, False)
+
+    def update(self, step: int, lr: float, weight_decay: float, param: torch.Tensor,
+               grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        b1, b2 = self.betas
+        if self.op is not None:
+            self.op.adam_update(self.id, step, lr, b1, b2, self.eps, weight_decay, True,
+                                param, grad, exp_avg, exp_avg_sq)
+            return
+        param.mul_(1 - lr * weight_decay)
+        exp_avg.lerp_(grad, 1 - b1)
+        exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        denom = (exp_avg_sq.sqrt() / math.sqrt(1 - b2 ** step)).add_(self.eps)
+        param.addcdiv_(exp_avg, denom, value=-lr / (1 - b1 ** step))
+
+
+@dataclass
+class TableState:
+    name: str
+    param: torch.nn.Parameter  # the model's table (this TP rank's column slice)
+    master: torch.Tensor  # fp32, CPU; the param itself when that is fp32 on CPU already
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    rows: torch.Tensor | None = None  # after sync_grads: touched rows (sorted, CPU)
+    grad: torch.Tensor | None = None  # after sync_grads: their DP-averaged grads (CPU)
+    dense_grad: torch.Tensor | None = None  # `dense` mode's reusable [V, w] zero buffer
+
+
+class TableOptimizer:
+    def __init__(self, tables: list[tuple[str, torch.nn.Parameter]], update: str,
+                 lr_mult: float, weight_decay: float, betas: tuple[float, float],
+                 eps: float = 1e-8, kernel: str = "deepspeed", dp_group=None, tp_group=None):
+        if update not in ("dense", "lazy"):
+            raise ValueError(f"unknown table update {update!r}")
+        self.update_mode, self.lr_mult, self.weight_decay = update, lr_mult, weight_decay
+        self.dp_group, self.tp_group = dp_group, tp_group
+        self.kernel = AdamKernel(kernel, betas, eps)
+        self.step_count = 0
+        self.tables = [self._state(name, p) for name, p in tables]
+        self.last_comm_bytes = 0  # bytes sent over DP by the last sync_grads
+        self.touched_rows = 0  # distinct rows in the last sync_grads (all DP ranks)
+
+    @staticmethod
+    def _state(name: str, param: torch.nn.Parameter) -> TableState:
+        aliased = param.device.type == "cpu" and param.dtype == torch.float32
+        master = param.data if aliased else param.detach().to("cpu", torch.float32).clone()
+        return TableState(name, param, master, torch.zeros_like(master),
+                          torch.zeros_like(master))
+
+    # -- gradients ----------------------------------------------------------------------
+
+    def sync_grads(self) -> None:
+        """Coalesce each table's sparse grad and average it over data parallel."""
+        self.last_comm_bytes = 0
+        for t in self.tables:
+            rows, values = _coalesced_rows(t.param)
+            rows, values = self._average_over_dp(rows, values)
+            t.rows, t.grad = rows.cpu(), values.to("cpu", torch.float32)
+            t.param.grad = None
+        # Every table sees the same ids: the first one's rows are the step's rows.
+        self.touched_rows = self.tables[0].rows.numel() if self.tables else 0
+
+    def _average_over_dp(self, rows: torch.Tensor, values: torch.Tensor):
+        world = dist.get_world_size(self.dp_group) if dist.is_initialized() else 1
+        if world == 1:
+            return rows, values
+        count = torch.tensor([rows.numel()], device=rows.device)
+        counts = [torch.empty_like(count) for _ in range(world)]
+        dist.all_gather(counts, count, group=self.dp_group)
+        longest = int(max(c.item() for c in counts))
+        padded = torch.full((longest,), -1, dtype=rows.dtype, device=rows.device)
+        padded[:rows.numel()] = rows
+        gathered = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(gathered, padded, group=self.dp_group)
+        union = torch.unique(torch.cat(gathered))
+        union = union[union >= 0]
+        summed = torch.zeros(union.numel(), values.shape[1], dtype=values.dtype,
+                             device=values.device)
+        summed[torch.searchsorted(union, rows)] = values
+        dist.all_reduce(summed, group=self.dp_group)
+        self.last_comm_bytes += summed.numel() * summed.element_size() + world * padded.numel() * 8
+        return union, summed / world
+
+    def grad_norm_sq(self) -> float:
+        """Squared L2 norm of all table grads (after `sync_grads`), summed over TP slices."""
+        local = torch.tensor(sum(float(t.grad.double().square().sum()) for t in self.tables),
+                             dtype=torch.float64)
+        if dist.is_initialized() and self.tp_group is not None:
+            device = self.tables[0].param.device if self.tables else "cpu"
+            local = local.to(device)
+            dist.all_reduce(local, group=self.tp_group)
+        return float(local)
+
+    # -- update -------------------------------------------------------------------------
+
+    def step(self, lr: float, clip_coef: float = 1.0) -> None:
+        self.step_count += 1
+        lr = lr * self.lr_mult
+        for t in self.tables:
+            grad = t.grad * clip_coef if clip_coef != 1.0 else t.grad
+            if self.update_mode == "dense":
+                self._dense_update(t, grad, lr)
+            else:
+                self._lazy_update(t, grad, lr)
+            t.rows = t.grad = None
+
+    def _dense_update(self, t: TableState, grad: torch.Tensor, lr: float) -> None:
+        if t.dense_grad is None:
+            t.dense_grad = torch.zeros_like(t.master)
+        t.dense_grad[t.rows] = grad
+        self.kernel.update(self.step_count, lr, self.weight_decay, t.master, t.dense_grad,
+                           t.exp_avg, t.exp_avg_sq)
+        t.dense_grad[t.rows] = 0  # back to all zeros without touching the other rows
+        if t.master is not t.param.data:
+            t.param.data.copy_(t.master, non_blocking=True)
+
+    def _lazy_update(self, t: TableState, grad: torch.Tensor, lr: float) -> None:
+        rows = t.rows
+        if rows.numel() == 0:
+            return
+        # Gather the touched rows into contiguous buffers (the kernel needs contiguous
+        # memory), update them, scatter back.
+        param, m, v = t.master[rows], t.exp_avg[rows], t.exp_avg_sq[rows]
+        self.kernel.update(self.step_count, lr, self.weight_decay, param,
+                           grad.contiguous(), m, v)
+        t.master[rows], t.exp_avg[rows], t.exp_avg_sq[rows] = param, m, v
+        if t.master is not t.param.data:
+            t.param.data[rows.to(t.param.device)] = param.to(t.param.device, t.param.dtype)
+
+    # -- checkpoint ---------------------------------------------------------------------
+
+    def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{table name: {"fp32_param", "exp_avg", "exp_avg_sq"}}, this rank's slices."""
+        return {t.name: {"fp32_param": t.master, "exp_avg": t.exp_avg,
+                         "exp_avg_sq": t.exp_avg_sq} for t in self.tables}
+
+    def load_state_tensors(self, states: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+        self.step_count = step
+        for t in self.tables:
+            s = states[t.name]
+            t.master.copy_(s["fp32_param"])
+            t.exp_avg.copy_(s["exp_avg"])
+            t.exp_avg_sq.copy_(s["exp_avg_sq"])
+            if t.master is not t.param.data:
+                t.param.data.copy_(t.master)
+
+
+def _coalesced_rows(param: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
+    grad = param.grad
+    width = param.shape[1]
+    if grad is None:
+        return (torch.empty(0, dtype=torch.long, device=param.device),
+                torch.empty(0, width, dtype=torch.float32, device=param.device))
+    if not grad.is_sparse:
+        raise RuntimeError(f"table grad is dense: set StemTable.sparse_grad = True "
+                           f"({tuple(param.shape)})")
+    grad = grad.coalesce()
+    return grad.indices()[0], grad.values().float()

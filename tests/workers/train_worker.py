@@ -1,0 +1,55 @@
+"""Run the trainer on a tiny model and dump its result as JSON.
+
+    torchrun --nproc_per_node N train_worker.py --data PREFIX --out FILE.json
+             [--preempt-at STEP] [section.field=value ...]
+"""
+
+import argparse
+import json
+import os
+import signal
+
+from common import TINY
+from megatron_stem.config import Recipe, apply_overrides, from_dict
+from megatron_stem.train import run
+
+
+class VocabOnlyTokenizer:
+    """What megatron's GPTDataset needs of a tokenizer, for pre-tokenized test data."""
+
+    def __init__(self, vocab_size):
+        self.vocab_size = vocab_size
+        self.eod = vocab_size - 1
+        self.pad = vocab_size - 2
+        self.unique_identifiers = {"class": "VocabOnlyTokenizer", "vocab_size": vocab_size}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--preempt-at", type=int, default=0,
+                    help="rank 0 sends itself SIGUSR1 after this step")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    data = {"model": {**TINY, "stem_layers": "1/2"},
+            "data": {"prefixes": [args.data], "split": "90,10,0"},
+            "optimizer": {"lr": 3e-3, "warmup_steps": 2, "clip_grad": 1.0},
+            "tables": {"kernel": "torch"},
+            "train": {"micro_batch_size": 2, "global_batch_size": 8, "steps": 6,
+                      "dtype": "fp32", "log_interval": 1, "eval_interval": 3,
+                      "eval_iters": 2, "save_interval": 100}}
+    recipe = from_dict(Recipe, apply_overrides(data, args.overrides))
+
+    def on_step(step):
+        if step == args.preempt_at and int(os.environ["RANK"]) == 0:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    result = run(recipe, VocabOnlyTokenizer(recipe.model.vocab_size), on_step)
+    if int(os.environ["RANK"]) == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
