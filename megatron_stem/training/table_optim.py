@@ -151,10 +151,10 @@ class TableOptimizer:
     def _dense_update(self, t: TableState, grad: torch.Tensor, lr: float) -> None:
         if t.dense_grad is None:
             t.dense_grad = torch.zeros_like(t.master)
-        t.dense_grad[t.rows] = grad
+        t.dense_grad.index_copy_(0, t.rows, grad)
         self.kernel.update(self.step_count, lr, self.weight_decay, t.master, t.dense_grad,
                            t.exp_avg, t.exp_avg_sq)
-        t.dense_grad[t.rows] = 0  # back to all zeros without touching the other rows
+        t.dense_grad.index_fill_(0, t.rows, 0)  # back to all zeros, other rows untouched
         if t.master is not t.param.data:
             t.param.data.copy_(t.master, non_blocking=True)
 
@@ -164,12 +164,14 @@ class TableOptimizer:
             return
         # Gather the touched rows into contiguous buffers (the kernel needs contiguous
         # memory), update them, scatter back.
-        param, m, v = t.master[rows], t.exp_avg[rows], t.exp_avg_sq[rows]
+        param, m, v = (x.index_select(0, rows) for x in (t.master, t.exp_avg, t.exp_avg_sq))
         self.kernel.update(self.step_count, lr, self.weight_decay, param,
                            grad.contiguous(), m, v)
-        t.master[rows], t.exp_avg[rows], t.exp_avg_sq[rows] = param, m, v
+        for dst, src in ((t.master, param), (t.exp_avg, m), (t.exp_avg_sq, v)):
+            dst.index_copy_(0, rows, src)
         if t.master is not t.param.data:
-            t.param.data[rows.to(t.param.device)] = param.to(t.param.device, t.param.dtype)
+            t.param.data.index_copy_(0, rows.to(t.param.device),
+                                     param.to(t.param.device, t.param.dtype))
 
     # -- checkpoint ---------------------------------------------------------------------
 
