@@ -29,16 +29,26 @@ class StemGPTModel(GPTModel):
     would read it as a padding mask, are not part of this model.
 
     Consequence for callers: pass `input_ids` on every pipeline stage, not only the first.
+
+    `stem_ids` (optional) are the ids the STEM layers look up instead of `input_ids`, with
+    the text unchanged: [b, s] for every STEM layer, or [num_layers, b, s] with one row per
+    (global) layer, so an edit can reach chosen layers only (knowledge editing).
     """
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, *args,
+                stem_ids=None, **kwargs):
+        if kwargs.get("padding_mask") is not None:
+            raise ValueError("StemGPTModel uses the padding_mask slot for token ids; "
+                             "padding masks are not supported")
+        kwargs["padding_mask"] = stem_ids  # _preprocess falls back to input_ids
+        return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
 
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
                     packed_seq_params=None, padding_mask=None):
-        if padding_mask is not None:
-            raise ValueError("StemGPTModel uses the padding_mask slot for token ids; "
-                             "padding masks are not supported")
+        stem_ids = input_ids if padding_mask is None else padding_mask
         out = super()._preprocess(input_ids, position_ids, decoder_input, inference_context,
                                   packed_seq_params, padding_mask=None)
-        return (*out[:5], input_ids, *out[6:])
+        return (*out[:5], stem_ids, *out[6:])
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig,
