@@ -177,3 +177,255 @@ def test_import_writes_the_same_dist_checkpoint_keys_as_megatron(megatron, hf_so
     assert all(a.shape(k) == b.shape(k) for k in a.keys())
     assert json.loads((imported / "model/metadata.json").read_text()) == \
         json.loads((native / "model/metadata.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------
+# The HF model itself
+# ---------------------------------------------------------------------------------------
+
+
+def test_tables_on_cpu_give_identical_logits_and_stay_on_the_host(megatron, exported):
+    plain = load_hf(exported["stem_tp2"])
+    host = load_hf(exported["stem_tp2"], stem_tables_on_cpu=True)
+    assert host.config.stem_tables_on_cpu and not plain.config.stem_tables_on_cpu
+    with torch.no_grad():
+        assert torch.equal(host(megatron["tokens"]).logits, plain(megatron["tokens"]).logits)
+    prompt = megatron["prompt"]
+    out = host.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                        max_new_tokens=megatron["stem_tp2"]["greedy"].shape[1] - prompt.shape[1])
+    assert torch.equal(out, megatron["stem_tp2"]["greedy"])
+    tables = [m.weight for name, m in host.named_modules() if name.endswith("mlp.table")]
+    assert len(tables) == 2
+    host.to(torch.bfloat16)  # casts apply to tables too ...
+    assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tables)
+    host.to("meta")  # ... moves do not (meta stands in for an accelerator here)
+    assert host.lm_head.weight.device.type == "meta"
+    assert all(t.device.type == "cpu" for name, t in host.named_parameters()
+               if name.endswith("mlp.table.weight"))
+
+
+def test_left_padded_batch_generates_like_each_prompt_alone(exported):
+    model = load_hf(exported["stem_tp2"])
+    a, b = [5, 17, 42, 7, 99, 3], [8, 250, 31]
+    batch = torch.tensor([a, [0] * 3 + b])
+    mask = torch.tensor([[1] * 6, [0] * 3 + [1] * 3])
+    out = model.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=8,
+                         pad_token_id=0)
+    for row, prompt in enumerate((a, b)):
+        alone = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                               do_sample=False, max_new_tokens=8, pad_token_id=0)
+        assert out[row, 6:].tolist() == alone[0, len(prompt):].tolist()
+
+
+def test_conversion_memory_stays_near_the_largest_tensor(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/workers/hf_memory.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    bound = 3 * result["largest"]
+    assert result["total"] > 2 * bound  # so the check can tell streaming from loading it all
+    assert result["import_peak"] < bound and result["export_peak"] < bound, result
+
+
+# ---------------------------------------------------------------------------------------
+# CLI, tokenizer, dtype
+# ---------------------------------------------------------------------------------------
+
+TEXTS = ["the stem table and the token", "  hugging face, export!", "alpha\nbeta 42 é",
+         "model of the gamma delta."]
+
+
+def tool(name: str):
+    """A CLI's main(), imported from tools/ as a user would run it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory) -> Path:
+    """A tiny unigram SentencePiece model: the kind LlamaTokenizer would get wrong."""
+    import sentencepiece
+
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "stem", "table", "token", "model", "the", "of",
+             "and", "hugging", "face", "export", "42", "é"]
+    sentences = [" ".join(rng.choice(words) for _ in range(10)) + "." for _ in range(200)]
+    prefix = tmp_path_factory.mktemp("sp") / "sp"
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences), model_prefix=str(prefix), vocab_size=48,
+        hard_vocab_limit=False, minloglevel=2)
+    return prefix.with_suffix(".model")
+
+
+@pytest.fixture(scope="module")
+def cli_export(megatron, sp_model, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cli") / "stem_bf16"
+    rc = tool("to_hf")(["--checkpoint", str(megatron["root"] / "stem_pp2"), "--output", str(out),
+                        "--dtype", "bf16", "--tokenizer", str(sp_model)])
+    assert rc == 0
+    return out
+
+
+def test_cli_export_bf16_with_sentencepiece_tokenizer(cli_export, sp_model, megatron):
+    import sentencepiece
+
+    config = AutoConfig.from_pretrained(cli_export, trust_remote_code=True)
+    assert config.dtype == torch.bfloat16 and config.eos_token_id == 2
+    assert all(t.dtype == torch.bfloat16 for t in hf_tensors(cli_export).values())
+    tok = AutoTokenizer.from_pretrained(cli_export)
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(sp_model))
+    for text in TEXTS:  # the exact training ids, and no special tokens added
+        assert tok(text)["input_ids"] == sp.encode(text), text
+    model = load_hf(cli_export)
+    with torch.no_grad():
+        logits = model(megatron["tokens"]).logits.float()
+    torch.testing.assert_close(logits, megatron["stem_pp2"]["logits"][..., :VOCAB],
+                               atol=0.05, rtol=0.05)
+
+
+def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
+    assert tool("to_hf")(["--checkpoint", str(tmp_path / "nope"),
+                          "--output", str(tmp_path / "out")]) == 2
+    assert tool("from_hf")(["--hf", str(tmp_path), "--save-dir", str(tmp_path / "ckpt")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("error: ") for line in lines)
+    # And as a real process, from a shell: no traceback, one line.
+    proc = subprocess.run([sys.executable, str(ROOT / "tools/to_hf.py"), "--checkpoint",
+                           str(tmp_path / "nope"), "--output", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: {tmp_path / 'nope'}: no such checkpoint folder"
+
+
+# ---------------------------------------------------------------------------------------
+# Clear errors
+# ---------------------------------------------------------------------------------------
+
+
+def _copy_checkpoint(megatron, case: str, dest: Path) -> Path:
+    import shutil
+
+    shutil.copytree(checkpoint.resolve(megatron["root"] / case), dest)
+    return dest
+
+
+def test_unfinished_checkpoint_is_refused(megatron, tmp_path):
+    partial = _copy_checkpoint(megatron, "stem_tp2", tmp_path / "run" / "iter_0000002.tmp")
+    (partial / checkpoint.COMPLETE).unlink()
+    for path in (partial, tmp_path / "run"):
+        with pytest.raises(UserError, match="not a complete megatron-stem checkpoint"):
+            export(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_foreign_checkpoints_are_refused(megatron, tmp_path):
+    megatron_lm = tmp_path / "megatron_lm"  # Megatron-LM's own layout
+    (megatron_lm / "iter_0000010" / "mp_rank_00").mkdir(parents=True)
+    (megatron_lm / "latest_checkpointed_iteration.txt").write_text("10")
+    with pytest.raises(UserError, match="no COMPLETE marker"):
+        export(megatron_lm, tmp_path / "out")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / checkpoint.COMPLETE).write_text("")
+    with pytest.raises(UserError, match="not a megatron-stem checkpoint"):
+        export(bare, tmp_path / "out")
+    # Tensors that contradict the recipe: nothing may be dropped or invented silently.
+    edited = _copy_checkpoint(megatron, "stem_tp2", tmp_path / "edited")
+    recipe = (edited / checkpoint.RECIPE).read_text()
+    (edited / checkpoint.RECIPE).write_text(recipe.replace("stem_layers: 1/2", "stem_layers: none"))
+    with pytest.raises(UserError, match="missing decoder.layers.1.mlp.linear_fc1.weight"):
+        export(edited, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_tokenizer_larger_than_the_vocab_is_refused(megatron, tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {f"w{i}": i for i in range(VOCAB + 100)}
+    Tokenizer(WordLevel(vocab, unk_token="w0")).save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(UserError, match=f"has {VOCAB + 100} tokens but the model's vocab_size "
+                                        f"is {VOCAB}"):
+        export(megatron["root"] / "dense_tp2", tmp_path / "out",
+               tokenizer=tmp_path / "tokenizer.json")
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_is_not_overwritten(megatron, exported):
+    with pytest.raises(UserError, match="already exists"):
+        export(megatron["root"] / "stem_tp2", exported["stem_tp2"])
+
+
+def test_import_refuses_foreign_or_incomplete_hf_folders(hf_sources, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    llama = shutil.copytree(hf_sources["hf_stem"]["dir"], tmp_path / "llama")
+    config = json.loads((llama / "config.json").read_text())
+    (llama / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    with pytest.raises(UserError, match="not a megatron-stem export"):
+        import_hf(llama, tmp_path / "ckpt")
+    partial = shutil.copytree(hf_sources["hf_stem"]["dir"], tmp_path / "partial")
+    weights = load_file(partial / "model.safetensors")
+    del weights["model.layers.1.mlp.table.weight"]
+    save_file(weights, partial / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match="missing tensor model.layers.1.mlp.table.weight"):
+        import_hf(partial, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+
+
+# ---------------------------------------------------------------------------------------
+# lm-evaluation-harness, offline
+# ---------------------------------------------------------------------------------------
+
+LM_EVAL_TASK = """\
+task: stem_local_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def test_lm_eval_harness_runs_on_the_export_offline(cli_export, tmp_path):
+    """The README's command, on a local multiple-choice task (a YAML over a JSONL file), with
+    the hub and datasets offline: nothing is downloaded."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        pytest.skip("lm-eval is not installed (pip install -r requirements.txt)")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    docs = [{"question": f"the {w} and the", "choices": ["stem table", "model token", "alpha"],
+             "answer": i % 3} for i, w in enumerate(["alpha", "beta", "gamma", "delta", "stem"])]
+    (tasks / "data.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tasks / "stem_local_choice.yaml").write_text(LM_EVAL_TASK.format(data=tasks / "data.jsonl"))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf_home"), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+         f"pretrained={cli_export},trust_remote_code=True,stem_tables_on_cpu=True",
+         "--include_path", str(tasks), "--tasks", "stem_local_choice", "--device", "cpu",
+         "--batch_size", "4", "--output_path", str(tmp_path / "results")],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (results_file,) = (tmp_path / "results").rglob("results_*.json")
+    results = json.loads(results_file.read_text())
+    assert results["n-samples"]["stem_local_choice"]["effective"] == len(docs)
+    assert 0.0 <= results["results"]["stem_local_choice"]["acc,none"] <= 1.0

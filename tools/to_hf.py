@@ -11,9 +11,10 @@ one at a time: memory stays near the largest tensor. See README.md, "Export to H
 
 import argparse
 import sys
+import warnings
 
 from megatron_stem.errors import UserError
-from megatron_stem.hf.export import DEFAULT_SHARD_BYTES, DTYPES, export
+from megatron_stem.hf.export import DEFAULT_SHARD_BYTES, DTYPES, ExportWarning, export
 
 
 def main(argv=None) -> int:
@@ -28,11 +29,18 @@ def main(argv=None) -> int:
                     help="largest safetensors file (a bigger tensor gets a file of its own)")
     args = ap.parse_args(argv)
     try:
-        out = export(args.checkpoint, args.output, args.dtype, args.tokenizer,
-                     int(args.max_shard_gb * 2**30))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ExportWarning)
+            out = export(args.checkpoint, args.output, args.dtype, args.tokenizer,
+                         int(args.max_shard_gb * 2**30))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for w in caught:  # ours as one line each, anything else as Python shows it
+        if issubclass(w.category, ExportWarning):
+            print(f"warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     print(f"wrote {out}")
     return 0
 

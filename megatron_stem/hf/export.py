@@ -32,6 +32,11 @@ from megatron_stem.hf.safetensors_io import (
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class ExportWarning(UserWarning):
+    """Worth telling the user, not worth refusing the export for."""
+
 REMOTE_DIR = Path(__file__).resolve().parent / "remote"
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
@@ -81,7 +86,7 @@ def export(checkpoint_dir: str | Path, output: str | Path, dtype: Optional[str] 
         tokenizer_files.check_vocab(tok, model.vocab_size)
         if tok.vocab_size < model.vocab_size:
             warnings.warn(f"{tok.source}: the tokenizer has {tok.vocab_size} tokens, fewer than "
-                          f"the model's vocab_size {model.vocab_size}", stacklevel=2)
+                          f"the model's vocab_size {model.vocab_size}", ExportWarning)
     output = Path(output)
     if output.exists():
         raise UserError(f"{output}: already exists; remove it or choose another --output")
