@@ -53,18 +53,23 @@ def read_model_config(ckpt: Path) -> ModelConfig:
         raise UserError(f"{recipe_file}: {e}") from None
 
 
+def first_of(items: list[str]) -> str:
+    """'x' or 'x (and 3 more)': an error names one culprit and counts the rest."""
+    return items[0] + (f" (and {len(items) - 1} more)" if len(items) > 1 else "")
+
+
 def check_tensors(reader: CheckpointReader, maps: list[names.TensorMap]) -> None:
     """Every checkpoint tensor is mapped and every mapped tensor is there, with its shape."""
     expected = {t.megatron: t.megatron_shape for t in maps}
     where = reader.folder
     missing = sorted(set(expected) - reader.keys())
     if missing:
-        raise UserError(f"{where}: missing {missing[0]} (and {len(missing) - 1} more): the "
-                        "checkpoint does not match its recipe.yaml")
+        raise UserError(f"{where}: missing {first_of(missing)}: the checkpoint does not "
+                        "match its recipe.yaml")
     unknown = sorted(reader.keys() - set(expected))
     if unknown:
-        raise UserError(f"{where}: tensor {unknown[0]} has no Hugging Face name (and "
-                        f"{len(unknown) - 1} more): not a model megatron-stem can export")
+        raise UserError(f"{where}: no Hugging Face name for {first_of(unknown)}: not a model "
+                        "megatron-stem can export")
     for key, shape in expected.items():
         if reader.shape(key) != shape:
             raise UserError(f"{where}: {key} has shape {reader.shape(key)}, the recipe implies "
@@ -113,14 +118,11 @@ def _write_weights(reader: CheckpointReader, maps: list[names.TensorMap], folder
                    dtype: torch.dtype, max_shard_bytes: int) -> None:
     """Stream every tensor into shards: read one megatron tensor, write its HF parts."""
     groups = [[Entry(n, s, dtype) for n, s in zip(t.hf, t.hf_shapes)] for t in maps]
-    shards = plan_shards(groups, max_shard_bytes)
-    by_name = {t.hf[0]: t for t in maps}
-    for i, shard in enumerate(shards):
-        with ShardWriter(folder / shard_name(i, len(shards)), shard) as writer:
-            for entry in shard:
-                t = by_name.get(entry.name)
-                if t is None:
-                    continue  # a later part of a tensor already written with its first part
+    plan = plan_shards(groups, max_shard_bytes)
+    shards = [[e for i in members for e in groups[i]] for members in plan]
+    for index, members in enumerate(plan):
+        with ShardWriter(folder / shard_name(index, len(plan)), shards[index]) as writer:
+            for t in (maps[i] for i in members):
                 for name, part in zip(t.hf, t.to_hf(reader.read(t.megatron))):
                     writer.write(name, part.to(dtype))
     write_index(folder, shards)

@@ -19,6 +19,7 @@ from megatron_stem.config import Recipe
 from megatron_stem.errors import UserError
 from megatron_stem.hf import names
 from megatron_stem.hf.dist_io import write_checkpoint
+from megatron_stem.hf.export import first_of
 from megatron_stem.hf.safetensors_io import ShardedReader
 
 
@@ -39,12 +40,12 @@ def check_tensors(reader: ShardedReader, maps: list[names.TensorMap], model, whe
         present.discard("lm_head.weight")  # some HF writers keep the tied copy
     missing = sorted(set(expected) - present)
     if missing:
-        raise UserError(f"{where}: missing tensor {missing[0]} (and {len(missing) - 1} more) "
-                        "for the shape in config.json")
+        raise UserError(f"{where}: missing tensor {first_of(missing)} for the shape in "
+                        "config.json")
     unknown = sorted(present - set(expected))
     if unknown:
-        raise UserError(f"{where}: tensor {unknown[0]} (and {len(unknown) - 1} more) is not "
-                        "part of a megatron-stem model")
+        raise UserError(f"{where}: tensor {first_of(unknown)} is not part of a megatron-stem "
+                        "model")
     for name, shape in expected.items():
         if reader.entry(name).shape != shape:
             raise UserError(f"{where}: {name} has shape {reader.entry(name).shape}, config.json "

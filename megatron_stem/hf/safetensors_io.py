@@ -37,16 +37,16 @@ class Entry:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def plan_shards(groups: list[list[Entry]], max_bytes: int) -> list[list[Entry]]:
-    """Pack groups of entries (kept together) into shards of at most `max_bytes`, in order;
-    a group larger than that gets a shard of its own."""
+def plan_shards(groups: list[list[Entry]], max_bytes: int) -> list[list[int]]:
+    """Indices of the groups of entries (each kept whole) in each shard of at most
+    `max_bytes`, in order; a group larger than that gets a shard of its own."""
     shards, current, size = [], [], 0
-    for group in groups:
+    for i, group in enumerate(groups):
         group_size = sum(e.nbytes for e in group)
         if current and size + group_size > max_bytes:
             shards.append(current)
             current, size = [], 0
-        current.extend(group)
+        current.append(i)
         size += group_size
     if current:
         shards.append(current)
