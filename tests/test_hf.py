@@ -403,27 +403,16 @@ def test_import_refuses_foreign_or_incomplete_hf_folders(hf_sources, tmp_path):
 # lm-evaluation-harness, offline
 # ---------------------------------------------------------------------------------------
 
-LM_EVAL_TASK = """\
-task: stem_local_choice
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-"""
+def readme_task_yaml(data: Path) -> str:
+    """The README's local lm-eval task, verbatim, over `data`."""
+    readme = (ROOT / "README.md").read_text()
+    yaml_text = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
+    return yaml_text.replace("/data/my_task.jsonl", str(data))
 
 
 def test_lm_eval_harness_runs_on_the_export_offline(cli_export, tmp_path):
-    """The README's command, on a local multiple-choice task (a YAML over a JSONL file), with
-    the hub and datasets offline: nothing is downloaded."""
+    """The README's command and local task (a YAML over a JSONL file), with the hub and
+    datasets offline: nothing is downloaded."""
     import importlib.util
 
     if importlib.util.find_spec("lm_eval") is None:
@@ -433,17 +422,17 @@ def test_lm_eval_harness_runs_on_the_export_offline(cli_export, tmp_path):
     docs = [{"question": f"the {w} and the", "choices": ["stem table", "model token", "alpha"],
              "answer": i % 3} for i, w in enumerate(["alpha", "beta", "gamma", "delta", "stem"])]
     (tasks / "data.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (tasks / "stem_local_choice.yaml").write_text(LM_EVAL_TASK.format(data=tasks / "data.jsonl"))
+    (tasks / "my_local_task.yaml").write_text(readme_task_yaml(tasks / "data.jsonl"))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "HF_HOME": str(tmp_path / "hf_home"), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
         [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
          f"pretrained={cli_export},trust_remote_code=True,stem_tables_on_cpu=True",
-         "--include_path", str(tasks), "--tasks", "stem_local_choice", "--device", "cpu",
+         "--include_path", str(tasks), "--tasks", "my_local_task", "--device", "cpu",
          "--batch_size", "4", "--output_path", str(tmp_path / "results")],
         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     (results_file,) = (tmp_path / "results").rglob("results_*.json")
     results = json.loads(results_file.read_text())
-    assert results["n-samples"]["stem_local_choice"]["effective"] == len(docs)
-    assert 0.0 <= results["results"]["stem_local_choice"]["acc,none"] <= 1.0
+    assert results["n-samples"]["my_local_task"]["effective"] == len(docs)
+    assert 0.0 <= results["results"]["my_local_task"]["acc,none"] <= 1.0
