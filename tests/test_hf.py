@@ -112,12 +112,16 @@ def test_exported_logits_equal_megatron(case, megatron, exported):
 
 @pytest.mark.parametrize("case", CASES)
 def test_generate_equals_megatron_greedy_decode(case, megatron, exported):
+    """HF decodes with its KV cache, megatron recomputes the whole sequence every step."""
     model = load_hf(exported[case])
     reference = megatron[case]["greedy"]
     prompt = megatron["prompt"]
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                         max_new_tokens=reference.shape[1] - prompt.shape[1])
-    assert torch.equal(out, reference)
+                         max_new_tokens=reference.shape[1] - prompt.shape[1],
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference)
+    assert isinstance(out.cache, transformers.DynamicCache)
+    assert out.cache.get_seq_length() == reference.shape[1] - 1  # the last token is not fed
 
 
 @pytest.mark.parametrize("name", list(HF_SOURCES))

@@ -179,7 +179,6 @@ class StemPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = False
     _no_split_modules = ["StemDecoderLayer"]
     _supports_sdpa = True
-    _supports_cache_class = True
 
     def _init_weights(self, module):
         super()._init_weights(module)
