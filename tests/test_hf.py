@@ -310,6 +310,33 @@ def test_cli_export_bf16_with_sentencepiece_tokenizer(cli_export, sp_model, mega
                                atol=0.05, rtol=0.05)
 
 
+@pytest.mark.parametrize("with_config", [False, True])
+def test_export_with_a_tokenizer_json(megatron, tmp_path, with_config):
+    """A tokenizer.json ships as is; special tokens come from a tokenizer_config.json beside
+    it, or else from their usual names."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    words = ["<unk>", "<s>", "</s>", "stem", "table", "the", "of"]
+    raw = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    raw.pre_tokenizer = Whitespace()
+    raw.save(str(tmp_path / "tokenizer.json"))
+    if with_config:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<s>",
+             "chat_template": "{{ messages }}"}))
+    out = export(megatron["root"] / "dense_tp2", tmp_path / "hf",
+                 tokenizer=tmp_path / "tokenizer.json")
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok("the stem of the table")["input_ids"] == \
+        raw.encode("the stem of the table").ids == [5, 3, 6, 5, 4]
+    eos = 1 if with_config else 2
+    assert tok.eos_token_id == eos
+    assert AutoConfig.from_pretrained(out, trust_remote_code=True).eos_token_id == eos
+    assert (tok.chat_template is not None) == with_config
+
+
 def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
     assert tool("to_hf")(["--checkpoint", str(tmp_path / "nope"),
                           "--output", str(tmp_path / "out")]) == 2
