@@ -5,7 +5,8 @@
 For each layout and model kind it builds a seeded tiny model, saves it with
 `checkpoint.Writer` under DIR/<kind>_<layout>, and records the full-vocab logits of fixed
 tokens and its greedy continuation of a prompt. Each `--load` checkpoint (an HF import)
-is loaded at both layouts (tied ones at TP=2 only) and its logits recorded. Rank 0 writes DIR/reference.pt.
+is loaded at both layouts (tied ones at TP=2 only) and its logits recorded. Rank 0 writes
+DIR/reference.pt.
 
 Greedy decoding takes the argmax over real token ids only (< vocab_size): the vocab
 padding columns megatron adds for TP are not tokens.
