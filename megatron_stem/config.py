@@ -301,6 +301,9 @@ class TrainConfig:
     save_interval: int = 1000
     keep_last: int = 3
     save_dir: str = "runs/default"
+    # A checkpoint whose model weights start a new run (another run's iter_N, or the
+    # output of tools/from_hf.py). Ignored once save_dir holds a checkpoint to resume.
+    init_from: Optional[str] = None
     # Peak dense bf16 FLOP/s of one accelerator, for MFU (H100/H200 SXM: 989e12).
     peak_flops: float = 989e12
 

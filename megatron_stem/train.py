@@ -30,6 +30,8 @@ from megatron_stem.training.engine import build_engine, clip_coefficient
 from megatron_stem.training.lr import lr_at
 from megatron_stem.training.metrics import Metrics, memory_gb
 from megatron_stem.training.state import (
+    OPTIM,
+    TRAIN_STATE,
     load_optimizers,
     load_train_state,
     save_optimizers,
@@ -102,6 +104,13 @@ def _load_tokenizer(recipe: Recipe):
     return tokenizer
 
 
+def _check_resumable(ckpt: Path) -> None:
+    if not (ckpt / OPTIM).is_dir() or not (ckpt / TRAIN_STATE).is_file():
+        raise UserError(f"{ckpt}: holds model weights only (an import or an export source), "
+                        "not a run to resume: start a new run from it with "
+                        f"train.init_from={ckpt} and another train.save_dir")
+
+
 def _save(save_dir, step, recipe, model, engine, tables) -> None:
     with checkpoint.Writer(save_dir, step, recipe, recipe.train.keep_last) as folder:
         checkpoint.save_model(model, folder)
@@ -127,11 +136,15 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
         save_dir = Path(train.save_dir)
         rank0 = dist.get_rank() == 0
         ckpt = checkpoint.latest(save_dir)
+        init = checkpoint.resolve(train.init_from) if ckpt is None and train.init_from else None
         model = build_model(recipe.model, recipe.parallel, seed=train.seed)
         step = 0
         if ckpt is not None:
-            checkpoint.check_same_shape(checkpoint.read_recipe(ckpt), recipe, ckpt)
-            checkpoint.load_model(model, ckpt)
+            _check_resumable(ckpt)
+        for source in filter(None, (ckpt, init)):
+            checkpoint.check_same_shape(checkpoint.read_recipe(source), recipe, source)
+            checkpoint.load_model(model, source)
+        if ckpt is not None:
             step = load_train_state(ckpt)["step"]
         engine, tables, norms = build_engine(model, recipe)
         if ckpt is not None:
@@ -148,9 +161,10 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
                             device()).microbatches(0)
         metrics = Metrics(str(save_dir / "tensorboard"), enabled=rank0, purge_step=step)
         if rank0:
+            origin = (f"resuming from {ckpt}" if ckpt else
+                      f"initialized from {init}" if init else "from scratch")
             print(f"model: {account(recipe.model).summary()} | world {dist.get_world_size()}"
-                  f" = TP {recipe.parallel.tensor_parallel} x DP {dp} | "
-                  f"{'resuming from ' + str(ckpt) if ckpt else 'from scratch'}", flush=True)
+                  f" = TP {recipe.parallel.tensor_parallel} x DP {dp} | {origin}", flush=True)
 
         result = {"losses": [], "valid": [], "step": step, "preempted": False}
         preemption = Preemption()

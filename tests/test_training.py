@@ -98,3 +98,25 @@ def test_cli_reports_missing_data_in_one_line(tmp_path):
         f"error: data.prefixes: {tmp_path / 'nothing'}.bin not found (give the path without " \
         ".bin/.idx, as written by preprocess_data.py)"
     assert "Traceback" not in proc.stderr
+
+
+def test_init_from_starts_a_new_run_from_trained_weights(train, reference, tmp_path):
+    trained = tmp_path / "trained"
+    train(1, save_dir=trained, name="to_init_from")
+    fresh = train(1, f"train.init_from={trained / 'iter_0000006'}", name="init_from")
+    assert fresh["step"] == 6 and len(fresh["losses"]) == 6  # a new run: step 0 again
+    assert fresh["losses"][0] < reference["lazy"]["losses"][0] - 0.1
+
+
+def test_resuming_a_weights_only_checkpoint_is_a_clear_error(world1, tmp_path):
+    from megatron_stem import checkpoint, train as trainer
+    from megatron_stem.config import ParallelConfig, Recipe
+    from megatron_stem.errors import UserError
+    from megatron_stem.model import build_model
+    from workers.common import tiny_model
+
+    recipe = Recipe(model=tiny_model())
+    with checkpoint.Writer(tmp_path, 0, recipe) as folder:
+        checkpoint.save_model(build_model(recipe.model, ParallelConfig()), folder)
+    with pytest.raises(UserError, match="holds model weights only .* train.init_from="):
+        trainer._check_resumable(checkpoint.latest(tmp_path))
