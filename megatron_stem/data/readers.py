@@ -179,8 +179,10 @@ def _blocks(shard: Shard) -> Iterator[tuple[bytes, int]]:
         if shard.compression == "zst":
             yield from _zstd_blocks(raw)
             return
-        stream = gzip.GzipFile(fileobj=raw) if shard.compression == "gz" else raw
-        while block := stream.read(_BLOCK):
+        # read1: whatever one step decompressed, so that a truncated file gives up all its
+        # data before raising (read(n) would drop the partial block with the exception).
+        read = gzip.GzipFile(fileobj=raw).read1 if shard.compression == "gz" else raw.read
+        while block := read(_BLOCK):
             yield block, raw.tell()
 
 
@@ -259,7 +261,7 @@ def _jsonl_records(chunk: Chunk, keys: Sequence[str]) -> Iterator[Union[list, Sk
             yield Skip(line, BAD_UTF8, f"invalid UTF-8 byte at column {e.start + 1}")
             continue
         except ValueError as e:
-            yield Skip(line, BAD_JSON, f"{getattr(e, 'msg', e)} at column {getattr(e, 'colno', '?')}")
+            yield Skip(line, BAD_JSON, f"{getattr(e, 'msg', e)} (column {getattr(e, 'colno', '?')})")
             continue
         if not isinstance(record, dict):
             yield Skip(line, BAD_JSON, f"expected a JSON object, got {type(record).__name__}")
