@@ -58,8 +58,8 @@ def world1():
 
 CORPUS = ROOT / "data_corpus" / "gcide.jsonl.gz"
 # Characters the dictionary lacks, so UTF-8 beyond ASCII (and byte fallback) is exercised.
-UNICODE_DOCS = ["naïve café, déjà vu — über 東京 🚀", "  leading  and trailing spaces\n\n ",
-                "tabs\tand\nnewlines\r\nkept", "Ωmega ≤ ∞ ½"]
+UNICODE_DOCS = ["naïve café, déjà vu — über 東京 🚀", "Ωmega ≤ ∞ ½",
+                "  leading  and trailing spaces\n\n ", "tabs\tand\nnewlines\r\nkept"]
 
 
 @pytest.fixture(scope="session")

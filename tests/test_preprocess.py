@@ -143,7 +143,7 @@ def test_same_bytes_as_megatron_builder(tmp_path, sp_model, tok, corpus_texts):
         for d in part:
             w.add(np.array(d), np.array([len(d)]))
         w.close()
-    merge([str(tmp_path / n) for n in "abc"], str(tmp_path / "merged"))
+    merge([str(tmp_path / n) for n in "abc"], str(tmp_path / "merged"), dtype)
     builder = IndexedDatasetBuilder(str(tmp_path / "ref.bin"), dtype=dtype)
     for n in "abc":
         builder.add_index(str(tmp_path / n))
@@ -316,7 +316,7 @@ def test_parquet_without_the_column(tmp_path, sp_model, tok):
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory, corpus_texts):
-    """Six shards of mixed formats and sizes, about 1,500 documents."""
+    """Six shards of mixed formats and sizes, about 1,500 documents, and two empty files."""
     folder = tmp_path_factory.mktemp("shards")
     texts = corpus_texts
     cuts = [0, 300, 310, 700, 900, 1300, len(texts)]
@@ -327,6 +327,8 @@ def shards(tmp_path_factory, corpus_texts):
             write(folder / name, "".join(t.replace("\n", " ") + "\n" for t in part).encode())
         else:
             write(folder / name, jsonl_bytes({"text": t} for t in part))
+    write(folder / "06.jsonl", b"")
+    write(folder / "07.jsonl.gz", b"")
     return folder
 
 
@@ -342,10 +344,11 @@ def test_same_bytes_whatever_workers_and_chunking(shards, reference, sp_model, t
         stats = run([shards], tmp_path / f"w{workers}_{chunk}" / "out", sp_model,
                     workers=workers, chunk_bytes=chunk)
         assert output_bytes(stats["outputs"]["text"]) == reference, (workers, chunk)
-    assert stats["shards"] == 6
+    assert stats["shards"] == 8
 
 
-def test_killed_run_resumes_to_the_same_bytes(shards, reference, sp_model, tmp_path):
+@pytest.mark.parametrize("how", ["kill the job", "terminate"])
+def test_killed_run_resumes_to_the_same_bytes(shards, reference, sp_model, tmp_path, how):
     prefix = tmp_path / "out"
     args = ["--input", shards, "--output-prefix", prefix, "--tokenizer-type", "sentencepiece",
             "--tokenizer-model", sp_model, "--append-eod", "--workers", "1",
@@ -357,8 +360,12 @@ def test_killed_run_resumes_to_the_same_bytes(shards, reference, sp_model, tmp_p
     deadline = time.monotonic() + 60
     while len(list(parts.glob("*/0*.json"))) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole job, workers too, like SLURM's scancel
-    proc.wait()
+    if how == "kill the job":  # every process at once, as when a node dies
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    else:  # scancel, preemption: stops cleanly, recording the chunks being worked on
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 130
     assert not Path(f"{prefix}_text_document.idx").exists(), "the run ended before the kill"
     finished = len(list(parts.glob("*/0*.json")))
     assert finished >= 3
@@ -391,7 +398,7 @@ def test_fix_a_bad_shard_and_resume(shards, reference, sp_model, tmp_path):
 def test_array_groups_then_merge(shards, reference, sp_model, tmp_path):
     prefix = tmp_path / "out"
     run([shards], prefix, sp_model, num_groups=3, group_index=0)
-    with pytest.raises(UserError, match=r"4 of 6 input files are not processed yet"):
+    with pytest.raises(UserError, match=r"5 of 8 input files are not processed yet"):
         run([shards], prefix, sp_model, merge_only=True)
     for g in (1, 2):
         group = run([shards], prefix, sp_model, num_groups=3, group_index=g)
@@ -417,7 +424,8 @@ def test_slurm_scripts_run_without_slurm(shards, reference, sp_model, tmp_path):
 
 
 def test_outputs_among_the_inputs_are_not_read_back(tmp_path, sp_model, tok):
-    write(tmp_path / "a.jsonl", jsonl_bytes([{"text": "only document"}]))
+    # The input shares the output's name: it is read; our outputs beside it are not.
+    write(tmp_path / "out.jsonl", jsonl_bytes([{"text": "only document"}]))
     for _ in range(2):  # the second run sees out.stats.json (a .json) in the input folder
         stats = run([tmp_path], tmp_path / "out", sp_model, keep_parts=True)
     assert stats["shards"] == 1

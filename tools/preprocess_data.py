@@ -11,6 +11,7 @@ resumes it. See README.md, "Data preparation".
 
 import argparse
 import os
+import signal
 import sys
 
 from megatron_stem.data.preprocess import PreprocessConfig, format_summary, preprocess
@@ -56,13 +57,19 @@ def parse_args(argv=None) -> PreprocessConfig:
     return PreprocessConfig(
         inputs=a.input, output_prefix=a.output_prefix, tokenizer_type=a.tokenizer_type,
         tokenizer_model=a.tokenizer_model, json_keys=a.json_keys, append_eod=a.append_eod,
-        workers=a.workers, on_error=a.on_error, chunk_bytes=a.chunk_size_mb and int(a.chunk_size_mb * (1 << 20)),
+        workers=a.workers, on_error=a.on_error,
+        chunk_bytes=None if a.chunk_size_mb is None else int(a.chunk_size_mb * (1 << 20)),
         log_interval=a.log_interval, group_index=a.group_index, num_groups=a.num_groups,
         merge_only=a.merge_only, keep_parts=a.keep_parts)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM (scancel, preemption) stops like Ctrl-C: cleanly
+
+
 def main(argv=None) -> int:
     cfg = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         stats = preprocess(cfg)
     except UserError as e:

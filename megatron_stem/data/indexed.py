@@ -130,18 +130,19 @@ def _finish(f) -> None:
     f.close()
 
 
-def merge(parts: Sequence[str], out_prefix: str) -> IndexHeader:
-    """Concatenate datasets in order into `out_prefix` (.bin/.idx), like megatron's
-    `IndexedDatasetBuilder.add_index` but streaming: memory does not grow with the corpus.
+def merge(parts: Sequence[str], out_prefix: str, dtype: type) -> IndexHeader:
+    """Concatenate datasets of token type `dtype` in order into `out_prefix` (.bin/.idx),
+    like megatron's `IndexedDatasetBuilder.add_index` but streaming: memory does not grow
+    with the corpus.
 
     Writes exactly `out_prefix.bin` and `out_prefix.idx`; callers wanting atomicity pass a
     temporary prefix and rename.
     """
     headers = [read_header(idx_path(p)) for p in parts]
-    dtypes = {h.dtype for h in headers}
-    if len(dtypes) > 1:
-        raise UserError(f"cannot merge token files of different dtypes: {sorted(map(str, dtypes))}")
-    dtype = dtypes.pop() if dtypes else np.int32
+    for p, h in zip(parts, headers):
+        if h.dtype != dtype:
+            raise UserError(f"{idx_path(p)}: holds {np.dtype(h.dtype).name} tokens, "
+                            f"expected {np.dtype(dtype).name}")
     itemsize = np.dtype(dtype).itemsize
     sequences = sum(h.sequences for h in headers)
     documents = 1 + sum(h.documents - 1 for h in headers)

@@ -20,8 +20,10 @@ array (`group_index`/`num_groups`), followed by one `merge_only` run.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
+import threading
 import multiprocessing
 import os
 import re
@@ -201,10 +203,20 @@ _worker = {}  # per worker process: settings, tokenizer, shared counters
 
 
 def _init_worker(settings: _WorkerSettings, counters) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    # Interrupts are the main process's to handle: it lets running chunks finish and
+    # records them. If it dies without doing so (SIGKILL), the watchdog ends the worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker, like sentencepiece
     _worker.update(settings=settings, counters=counters,
                    tokenizer=load_tokenizer(settings.tokenizer_type, settings.tokenizer_model))
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(1)
 
 
 def _report(docs: int, tokens: int) -> None:
@@ -216,8 +228,8 @@ def _report(docs: int, tokens: int) -> None:
 
 def _work(chunk: Chunk, prefixes: dict) -> dict:
     s = _worker["settings"]
-    return tokenize_chunk(chunk, _worker["tokenizer"], s.keys, s.eod, s.fail, np.dtype(s.dtype).type,
-                          prefixes, _report)
+    return tokenize_chunk(chunk, _worker["tokenizer"], s.keys, s.eod, s.fail,
+                          np.dtype(s.dtype).type, prefixes, _report)
 
 
 # --- the main process --------------------------------------------------------------------
@@ -246,7 +258,10 @@ class _Job:
         self.tokenizer = load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_model)
         if cfg.append_eod and self.tokenizer.eod is None:
             raise UserError(f"--append-eod: {self.tokenizer.path} has no end-of-document token")
-        self.shards, ignored = find_shards(cfg.inputs, exclude_prefix=cfg.output_prefix)
+        outputs = [path for key in cfg.json_keys for path in
+                   (bin_path(cfg.output(key)), idx_path(cfg.output(key)))]
+        self.shards, ignored = find_shards(
+            cfg.inputs, exclude=outputs + [cfg.stats_path, cfg.errors_path, cfg.parts_dir])
         if ignored:
             self._say(f"note: passed over {len(ignored)} file(s) of unsupported types in the "
                       f"input folders, e.g. {ignored[0]}")
@@ -350,8 +365,8 @@ class _Job:
                     # Bounded read-ahead: at most two chunks of text per worker in memory.
                     while len(inflight) >= 2 * cfg.workers:
                         self._collect(inflight, progress, timeout=0.25)
-                    future = executor.submit(_work, item, self._part_prefixes(state.dir, item.index))
-                    inflight[future] = (state, item)
+                    prefixes = self._part_prefixes(state.dir, item.index)
+                    inflight[executor.submit(_work, item, prefixes)] = (state, item)
                     state.pending += 1
                     self._collect(inflight, progress, timeout=0)
                 state.read = True
@@ -362,7 +377,12 @@ class _Job:
             raise RuntimeError("a worker process died (killed, or out of memory?); "
                                "rerun the same command to resume") from e
         finally:
+            # On any way out (an error, Ctrl-C, SIGTERM), running chunks finish and are
+            # recorded, so that the next run need not redo them.
             executor.shutdown(wait=True, cancel_futures=True)
+            for future, (state, chunk) in inflight.items():
+                if not future.cancelled() and future.exception() is None:
+                    self._record(state, chunk, future.result(), progress)
             progress.close()
 
     def _open_shard(self, shard: Shard, progress: Progress) -> Optional[_ShardState]:
@@ -398,24 +418,27 @@ class _Job:
         done, _ = wait(list(inflight), timeout=timeout, return_when=FIRST_COMPLETED)
         failure = None
         for future in done:
-            state, chunk = inflight.pop(future)
-            state.pending -= 1
             if future.exception() is not None:
                 failure = failure or future.exception()
-                continue
-            summary = future.result()
-            _atomic_json(self._chunk_json(state.dir, chunk.index), summary)
-            progress.add(input_bytes=chunk.input_bytes, disk_bytes=chunk.disk_bytes)
-            self.run_stats.update(chunks_processed=1, documents=summary["documents"],
-                                  tokens=sum(summary["tokens"].values()),
-                                  input_bytes=chunk.input_bytes)
-            for error in summary["errors"]:
-                self._live_error(state.shard.path, error, progress)
-            self._close_shard(state)
+                inflight.pop(future)[0].pending -= 1
+            else:
+                self._record(*inflight.pop(future), future.result(), progress)
         if failure is not None:
             raise failure
         progress.docs, progress.tokens = self.counters[0], self.counters[1]
         progress.tick()
+
+    def _record(self, state: _ShardState, chunk: Chunk, summary: dict, progress: Progress):
+        """A finished chunk: its manifest marks its parts complete."""
+        _atomic_json(self._chunk_json(state.dir, chunk.index), summary)
+        state.pending -= 1
+        progress.add(input_bytes=chunk.input_bytes, disk_bytes=chunk.disk_bytes)
+        self.run_stats.update(chunks_processed=1, documents=summary["documents"],
+                              tokens=sum(summary["tokens"].values()),
+                              input_bytes=chunk.input_bytes)
+        for error in summary["errors"]:
+            self._live_error(state.shard.path, error, progress)
+        self._close_shard(state)
 
     def _close_shard(self, state: _ShardState) -> None:
         """Once all its chunks are finished, mark the shard done with its totals."""
@@ -477,7 +500,9 @@ class _Job:
             parts = [self._part_prefixes(self._shard_dir(s), i)[key]
                      for s, d in zip(self.shards, dones) for i in range(d["chunks"])]
             out, tmp = cfg.output(key), f"{cfg.output(key)}.tmp{os.getpid()}"
-            merge(parts, tmp)
+            for stale in glob.glob(glob.escape(out) + ".tmp*"):  # from a killed merge
+                os.remove(stale)
+            merge(parts, tmp, self.dtype)
             os.replace(bin_path(tmp), bin_path(out))
             os.replace(idx_path(tmp), idx_path(out))
             output_bytes[key] = {"bin": os.path.getsize(bin_path(out)),

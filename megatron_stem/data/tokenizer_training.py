@@ -19,7 +19,7 @@ import random
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Literal, Optional, TextIO
+from typing import Literal, Optional, Sequence, TextIO
 
 from megatron_stem.data.readers import Skip, find_shards, iter_records, read_chunks
 from megatron_stem.errors import UserError
@@ -51,10 +51,10 @@ class TokenizerTrainingConfig:
 
 
 def sample_documents(inputs: list[str], keys: list[str], max_docs: int, seed: int,
-                     exclude_prefix: str = "") -> tuple[list[str], Counter]:
+                     exclude: Sequence[str] = ()) -> tuple[list[str], Counter]:
     """A uniform sample (reservoir) of at most `max_docs` texts from all the inputs; every
     key's text counts as a document. Returns the sample and counts (`seen`, skip reasons)."""
-    shards, _ = find_shards(inputs, exclude_prefix=exclude_prefix)
+    shards, _ = find_shards(inputs, exclude=exclude)
     rng, sample, counts = random.Random(seed), [], Counter()
     for shard in shards:
         for chunk in read_chunks(shard, keys, 8 << 20):
@@ -80,7 +80,7 @@ def train_sentencepiece(cfg: TokenizerTrainingConfig, log: Optional[TextIO] = sy
 
     cfg.validate()
     docs, counts = sample_documents(cfg.inputs, cfg.json_keys, cfg.max_docs, cfg.seed,
-                                    exclude_prefix=cfg.output_prefix)
+                                    exclude=[cfg.output_prefix + ".json"])
     if not docs:
         raise UserError(f"--input {' '.join(cfg.inputs)}: no usable documents to train on")
     if log is not None:
