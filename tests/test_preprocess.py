@@ -378,7 +378,7 @@ def test_killed_run_resumes_to_the_same_bytes(shards, reference, sp_model, tmp_p
     assert not parts.exists() and not list(tmp_path.glob("*.tmp*"))
     # Once finished, a rerun has nothing to do.
     proc = cli(*args)
-    assert proc.returncode == 0 and "up to date" in proc.stderr
+    assert proc.returncode == 0 and "nothing to do: the outputs are up to date" in proc.stdout
 
 
 def test_fix_a_bad_shard_and_resume(shards, reference, sp_model, tmp_path):

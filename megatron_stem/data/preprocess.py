@@ -291,8 +291,7 @@ class _Job:
         if final:
             stats = self._up_to_date()
             if stats is not None:
-                self._say(f"{cfg.stats_path}: the outputs are up to date with the inputs")
-                return stats
+                return {**stats, "up_to_date": True}
         if not cfg.merge_only:
             self._process(self.shards[cfg.group_index::cfg.num_groups])
         if not final:
@@ -595,12 +594,18 @@ def format_summary(stats: dict) -> str:
                         if skipped else ""))
         if stats["errors_log"]:
             lines.append(f"skipped records are listed in {stats['errors_log']}")
+    if stats.get("up_to_date"):
+        lines.append("nothing to do: the outputs are up to date with the inputs")
+        return "\n".join(lines)
     resumed = (f"; reused {run['chunks_resumed']} chunk(s) and {run['shards_resumed']} "
                "file(s) from an earlier run" if run["chunks_resumed"] or run["shards_resumed"]
                else "")
-    lines.append(f"this run: {run['documents']:,} docs in {stats['seconds']:.1f} s "
-                 f"({run['docs_per_s']:,.0f} docs/s, {run['tokens_per_s']:,.0f} tokens/s, "
-                 f"{run['mb_per_s']:.2f} MB/s){resumed}")
+    if run["chunks_processed"]:
+        lines.append(f"this run: {run['documents']:,} docs in {stats['seconds']:.1f} s "
+                     f"({run['docs_per_s']:,.0f} docs/s, {run['tokens_per_s']:,.0f} tokens/s, "
+                     f"{run['mb_per_s']:.2f} MB/s){resumed}")
+    else:
+        lines.append(f"this run: nothing left to tokenize{resumed}; {stats['seconds']:.1f} s")
     return "\n".join(lines)
 
 
