@@ -237,7 +237,11 @@ def _work(chunk: Chunk, prefixes: dict) -> dict:
 
 def preprocess(cfg: PreprocessConfig, log: Optional[TextIO] = sys.stderr) -> dict:
     """Run, resume or finish a preprocessing job; return its stats (also written as JSON
-    to `cfg.stats_path`). Progress and skipped records go to `log`."""
+    to `cfg.stats_path`). Progress and skipped records go to `log`.
+
+    Workers are spawned processes: a script calling this needs the usual
+    `if __name__ == "__main__":` guard.
+    """
     cfg.validate()
     return _Job(cfg, log).run()
 

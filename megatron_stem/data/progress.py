@@ -51,7 +51,8 @@ class Progress:
         if self.total:
             done = self.disk_bytes + self.skipped_disk
             parts.insert(0, f"{100 * min(done / self.total, 1):5.1f}%")
-            if self.disk_bytes:
+            # Early rates mislead (start-up, a first tiny file): wait a little for an ETA.
+            if self.disk_bytes and (elapsed >= 3 or self.disk_bytes >= self.total / 20):
                 left = max(self.total - done, 0) * elapsed / self.disk_bytes
                 parts.append(f"ETA {_duration(left)}")
         return " | ".join(parts)
