@@ -17,7 +17,8 @@ import pytest
 
 from conftest import ROOT
 from megatron_stem.data.indexed import PartWriter, merge, token_dtype
-from megatron_stem.data.preprocess import BadRecord, PreprocessConfig, preprocess
+from megatron_stem.data.preprocess import PreprocessConfig, preprocess
+from megatron_stem.data.worker import BadRecord
 from megatron_stem.errors import UserError
 from megatron_stem.tokenizer import load_tokenizer
 

@@ -4,10 +4,11 @@ How it works:
 
 1. The main process reads the shards in order (decompressing as it goes) and cuts them
    into chunks (`readers.read_chunks`); a chunk is the same in every run.
-2. Worker processes tokenize chunks and write each one as its own small `.bin/.idx` part
-   under `<output-prefix>.parts/` (tmp name, fsync, rename, then a JSON manifest last:
-   a manifest means the part is complete). Token ids never travel back to the main
-   process, and no process holds more than a chunk of text and tokens.
+2. Worker processes (`worker.py`) tokenize chunks and write each one as its own small
+   `.bin/.idx` part under `<output-prefix>.parts/` (tmp name, fsync, rename; the main
+   process then writes a JSON manifest: a manifest means the part is complete). Token
+   ids never travel back to the main process, and no process holds more than a few
+   chunks of text and one chunk's tokens.
 3. When every shard is done, the parts are concatenated in shard and chunk order into
    `<output-prefix>_<key>_document.bin/.idx` (`indexed.merge`, streaming), the stats are
    written next to them, and the parts are removed.
@@ -23,33 +24,29 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import threading
 import multiprocessing
 import os
 import re
 import shutil
-import signal
 import sys
 import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from itertools import chain
-from typing import Callable, Literal, Optional, Sequence, TextIO
+from typing import Literal, Optional, Sequence, TextIO
 
 import numpy as np
 
-from megatron_stem.data.indexed import PartWriter, bin_path, idx_path, merge, token_dtype
+from megatron_stem.data.indexed import bin_path, idx_path, merge, token_dtype
 from megatron_stem.data.progress import Progress
-from megatron_stem.data.readers import (SKIP_REASONS, Chunk, Shard, Skip, find_shards,
-                                        iter_records, read_chunks)
+from megatron_stem.data.readers import SKIP_REASONS, Chunk, Shard, Skip, find_shards, read_chunks
+from megatron_stem.data.worker import BadRecord, WorkerSettings, fail_message, init_worker, work
 from megatron_stem.errors import UserError
-from megatron_stem.tokenizer import Tokenizer, load_tokenizer
+from megatron_stem.tokenizer import load_tokenizer
 
 # Bump when the parts' layout or content changes: older parts are then redone.
 _FORMAT_VERSION = 1
-_BATCH_DOCS, _BATCH_BYTES = 1024, 1 << 20  # documents per call into the tokenizer
 _LIVE_ERRORS = 10  # skipped records printed as they are found; the rest go to the log
 
 
@@ -58,10 +55,6 @@ def auto_chunk_bytes(shard: Shard) -> int:
     still spreads over the workers, a large one does not make millions of part files.
     Depends on the file alone, so adding inputs never invalidates finished work."""
     return min(max(shard.size // 16, 1 << 20), 32 << 20)
-
-
-class BadRecord(UserError):
-    """A record that cannot be used, under --on-error fail."""
 
 
 @dataclass
@@ -115,121 +108,6 @@ class PreprocessConfig:
     @property
     def parts_dir(self) -> str:
         return self.output_prefix + ".parts"
-
-
-# --- the worker side ---------------------------------------------------------------------
-
-
-def tokenize_chunk(chunk: Chunk, tokenizer: Tokenizer, keys: Sequence[str], eod: Optional[int],
-                   fail: bool, dtype: type, prefixes: dict,
-                   report: Callable[[int, int], None] = lambda docs, tokens: None) -> dict:
-    """Tokenize a chunk into one part per key (`prefixes[key]`.bin/.idx); return its summary.
-
-    Under `fail`, the first bad record raises `BadRecord` and nothing is written.
-    """
-    tmp = {k: f"{prefixes[k]}.tmp{os.getpid()}" for k in keys}
-    writers = {k: PartWriter(tmp[k], dtype) for k in keys}
-    skipped, errors = Counter(), []
-    docs, tokens = 0, Counter()
-    batch, batch_bytes = [], 0
-
-    def flush():
-        nonlocal docs, batch_bytes
-        if not batch:
-            return
-        batch_tokens = 0
-        for i, key in enumerate(keys):
-            flat, lengths = _flatten(tokenizer.encode_batch([r[i] for r in batch]), eod, dtype)
-            writers[key].add(flat, lengths)
-            tokens[key] += len(flat)
-            batch_tokens += len(flat)
-        docs += len(batch)
-        report(len(batch), batch_tokens)
-        batch.clear()
-        batch_bytes = 0
-
-    try:
-        for record in iter_records(chunk, keys):
-            if isinstance(record, Skip):
-                if fail:
-                    raise BadRecord(_fail_message(record, chunk.shard.path))
-                skipped[record.reason] += record.count
-                errors.append([record.line, record.reason, record.detail, record.count])
-                continue
-            batch.append(record)
-            batch_bytes += sum(map(len, record))
-            if len(batch) >= _BATCH_DOCS or batch_bytes >= _BATCH_BYTES:
-                flush()
-        flush()
-        for w in writers.values():
-            w.close()
-    except BaseException:
-        for k in keys:
-            writers[k].abort()
-        raise
-    for k in keys:
-        os.replace(bin_path(tmp[k]), bin_path(prefixes[k]))
-        os.replace(idx_path(tmp[k]), idx_path(prefixes[k]))
-    return {"index": chunk.index, "first_line": chunk.first_line, "documents": docs,
-            "tokens": {k: tokens[k] for k in keys}, "input_bytes": chunk.input_bytes,
-            "skipped": dict(skipped), "errors": errors}
-
-
-def _flatten(ids: list, eod: Optional[int], dtype: type) -> tuple[np.ndarray, np.ndarray]:
-    """Token lists -> (all ids back to back, length of each), without a Python int list."""
-    if eod is not None:
-        for doc in ids:
-            doc.append(eod)
-    lengths = np.fromiter(map(len, ids), np.int32, len(ids))
-    flat = np.fromiter(chain.from_iterable(ids), dtype, int(lengths.sum(dtype=np.int64)))
-    return flat, lengths
-
-
-def _fail_message(skip: Skip, path: str) -> str:
-    return f"{skip.describe(path)} (--on-error fail; --on-error skip counts and skips these)"
-
-
-@dataclass(frozen=True)
-class _WorkerSettings:
-    tokenizer_type: str
-    tokenizer_model: str
-    keys: tuple
-    eod: Optional[int]
-    fail: bool
-    dtype: str
-
-
-_worker = {}  # per worker process: settings, tokenizer, shared counters
-
-
-def _init_worker(settings: _WorkerSettings, counters) -> None:
-    # Interrupts are the main process's to handle: it lets running chunks finish and
-    # records them. If it dies without doing so (SIGKILL), the watchdog ends the worker.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker, like sentencepiece
-    _worker.update(settings=settings, counters=counters,
-                   tokenizer=load_tokenizer(settings.tokenizer_type, settings.tokenizer_model))
-
-
-def _exit_with_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(1)
-    os._exit(1)
-
-
-def _report(docs: int, tokens: int) -> None:
-    counters = _worker["counters"]
-    with counters.get_lock():
-        counters[0] += docs
-        counters[1] += tokens
-
-
-def _work(chunk: Chunk, prefixes: dict) -> dict:
-    s = _worker["settings"]
-    return tokenize_chunk(chunk, _worker["tokenizer"], s.keys, s.eod, s.fail,
-                          np.dtype(s.dtype).type, prefixes, _report)
 
 
 # --- the main process --------------------------------------------------------------------
@@ -334,7 +212,7 @@ class _Job:
         """Under --on-error fail, work of an earlier --on-error skip run with skipped
         records must fail like a fresh run would."""
         if self.cfg.on_error == "fail" and first_error:
-            raise BadRecord(_fail_message(Skip(*first_error), shard.path))
+            raise BadRecord(fail_message(Skip(*first_error), shard.path))
 
     # -- processing
 
@@ -343,10 +221,10 @@ class _Job:
         progress = Progress(self.log, sum(s.size for s in shards), cfg.log_interval)
         ctx = multiprocessing.get_context("spawn")  # no forked copies of our threads or state
         self.counters = ctx.Array("q", 2)
-        settings = _WorkerSettings(cfg.tokenizer_type, cfg.tokenizer_model, tuple(self.keys),
+        settings = WorkerSettings(cfg.tokenizer_type, cfg.tokenizer_model, tuple(self.keys),
                                    self.tokenizer.eod if cfg.append_eod else None,
                                    cfg.on_error == "fail", np.dtype(self.dtype).name)
-        executor = ProcessPoolExecutor(cfg.workers, ctx, _init_worker, (settings, self.counters))
+        executor = ProcessPoolExecutor(cfg.workers, ctx, init_worker, (settings, self.counters))
         inflight = {}
         try:
             for shard in shards:
@@ -369,7 +247,7 @@ class _Job:
                     while len(inflight) >= 2 * cfg.workers:
                         self._collect(inflight, progress, timeout=0.25)
                     prefixes = self._part_prefixes(state.dir, item.index)
-                    inflight[executor.submit(_work, item, prefixes)] = (state, item)
+                    inflight[executor.submit(work, item, prefixes)] = (state, item)
                     state.pending += 1
                     self._collect(inflight, progress, timeout=0)
                 state.read = True
@@ -406,7 +284,7 @@ class _Job:
 
     def _skip(self, state: _ShardState, skip: Skip, progress: Progress) -> None:
         if self.cfg.on_error == "fail":
-            raise BadRecord(_fail_message(skip, state.shard.path))
+            raise BadRecord(fail_message(skip, state.shard.path))
         state.errors.append([skip.line, skip.reason, skip.detail, skip.count])
         self._live_error(state.shard.path, state.errors[-1], progress)
 
