@@ -299,17 +299,41 @@ def test_cli_errors_are_one_line(tmp_path, sp_model):
         assert "Traceback" not in proc.stderr
 
 
-def test_parquet_without_the_column(tmp_path, sp_model, tok):
+def test_parquet_without_the_column_or_unreadable(tmp_path, sp_model, tok):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"content": ["a", "b", "c"]}), tmp_path / "x.parquet")
+    (tmp_path / "z.parquet").write_bytes(b"PAR1 this is not parquet")
     write(tmp_path / "y.jsonl", jsonl_bytes([{"text": "fine"}]))
-    stats = run([tmp_path / "x.parquet", tmp_path / "y.jsonl"], tmp_path / "out", sp_model)
-    assert stats["skipped"] == {"missing_key": 3}
-    assert stats["first_errors"] == [
-        f"{tmp_path}/x.parquet: missing_key: no column 'text' (columns: content)"]
+    stats = run([tmp_path / "x.parquet", tmp_path / "y.jsonl", tmp_path / "z.parquet"],
+                tmp_path / "out", sp_model)
+    assert stats["skipped"] == {"missing_key": 3, "read_error": 1}
+    assert stats["first_errors"][0] == \
+        f"{tmp_path}/x.parquet: missing_key: no column 'text' (columns: content)"
+    assert stats["first_errors"][1].startswith(
+        f"{tmp_path}/z.parquet: read_error: not a readable Parquet file")
     assert read_documents(stats["outputs"]["text"]) == expected_ids(tok, ["fine"])
+
+
+def test_multi_member_gzip_multi_frame_zstd_and_truncated_zstd(tmp_path, sp_model, tok):
+    import zstandard
+
+    texts = [f"line {i} of a compressed file" for i in range(300)]
+    first, second = jsonl_bytes({"text": t} for t in texts[:100]), \
+        jsonl_bytes({"text": t} for t in texts[100:])
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(first) + gzip.compress(second))
+    zst = zstandard.ZstdCompressor()
+    (tmp_path / "b.jsonl.zst").write_bytes(zst.compress(first) + zst.compress(second))
+    cut = zst.compress(first + second)
+    (tmp_path / "c.jsonl.zst").write_bytes(cut[: len(cut) * 2 // 3])
+    stats = run([tmp_path / "a.jsonl.gz", tmp_path / "b.jsonl.zst", tmp_path / "c.jsonl.zst"],
+                tmp_path / "out", sp_model)
+    (error,) = stats["first_errors"]
+    assert error.startswith(f"{tmp_path}/c.jsonl.zst:")
+    assert "read_error: file ends early or is corrupt (zstd stream ended" in error
+    kept = int(error.split(":")[1]) - 1
+    assert read_documents(stats["outputs"]["text"]) == expected_ids(tok, texts * 2 + texts[:kept])
 
 
 # --- determinism, resume, arrays ---------------------------------------------------------
