@@ -52,3 +52,52 @@ def world1():
     init_distributed(ParallelConfig(), seed=1234)
     yield
     destroy_distributed()
+
+
+# --- data preparation: a real English corpus and tokenizers built from it, once per run ---
+
+CORPUS = ROOT / "data_corpus" / "gcide.jsonl.gz"
+# Characters the dictionary lacks, so UTF-8 beyond ASCII (and byte fallback) is exercised.
+UNICODE_DOCS = ["naïve café, déjà vu — über 東京 🚀", "Ωmega ≤ ∞ ½",
+                "  leading  and trailing spaces\n\n ", "tabs\tand\nnewlines\r\nkept"]
+
+
+@pytest.fixture(scope="session")
+def corpus_texts() -> list[str]:
+    """The first 1,500 documents of the shipped GCIDE corpus, plus a few non-ASCII ones."""
+    import gzip
+    import json
+    import itertools
+
+    with gzip.open(CORPUS) as f:
+        texts = [json.loads(line)["text"] for line in itertools.islice(f, 1500)]
+    return texts + UNICODE_DOCS
+
+
+@pytest.fixture(scope="session")
+def sp_model(tmp_path_factory) -> str:
+    """A 1,000-piece SentencePiece model trained (by our trainer) on the shipped corpus."""
+    from megatron_stem.data.tokenizer_training import (TokenizerTrainingConfig,
+                                                       train_sentencepiece)
+
+    prefix = tmp_path_factory.mktemp("sp") / "gcide"
+    info = train_sentencepiece(TokenizerTrainingConfig(
+        inputs=[str(CORPUS)], output_prefix=str(prefix), vocab_size=1000, max_docs=3000,
+        threads=2), log=None)
+    return info["model"]
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(tmp_path_factory, corpus_texts) -> str:
+    """A folder with a small byte-level BPE tokenizer.json (Hugging Face `tokenizers`)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus_texts, trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|endoftext|>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    folder = tmp_path_factory.mktemp("hf")
+    tok.save(str(folder / "tokenizer.json"))
+    return str(folder)
