@@ -17,11 +17,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Set in this process by init_distributed (the world1 fixture): a child must not inherit
+# them, or it joins (or collides with) this process's rendezvous.
+_DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def subprocess_env(**extra: str) -> dict:
+    """This process's environment for a child process, minus its distributed identity."""
+    env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_ENV}
+    env.update(extra)
+    return env
+
+
 def torchrun(nproc: int, script: str, *args: str, timeout: int = 600) -> str:
     """Run tests/workers/<script> under torchrun with `nproc` gloo ranks; fail with its log."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={_free_port()}", str(WORKERS / script), *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = subprocess_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, cwd=WORKERS, env=env, capture_output=True, text=True,
                           timeout=timeout)
     if proc.returncode:

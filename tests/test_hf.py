@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, torchrun
+from conftest import ROOT, subprocess_env, torchrun
 from megatron_stem import checkpoint
 from megatron_stem.errors import UserError
 from megatron_stem.hf.export import export
@@ -25,7 +25,7 @@ from megatron_stem.hf.import_ import import_hf
 from workers.common import TINY
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402,F401
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from megatron_stem.hf.remote.configuration_stem import StemConfig  # noqa: E402
@@ -241,8 +241,8 @@ def test_conversion_memory_stays_near_the_largest_tensor(tmp_path):
     # live memory (glibc's adaptive threshold would keep freed 16 MB blocks on the heap).
     proc = subprocess.run([sys.executable, str(ROOT / "tests/workers/hf_memory.py"), str(tmp_path)],
                           capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore",
-                               "MALLOC_MMAP_THRESHOLD_": str(2**20)})
+                          env=subprocess_env(PYTHONWARNINGS="ignore",
+                                             MALLOC_MMAP_THRESHOLD_=str(2**20)))
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     bound = 3 * result["largest"]
@@ -347,7 +347,7 @@ def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
     proc = subprocess.run([sys.executable, str(ROOT / "tools/to_hf.py"), "--checkpoint",
                            str(tmp_path / "nope"), "--output", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                          env=subprocess_env(PYTHONWARNINGS="ignore"))
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: {tmp_path / 'nope'}: no such checkpoint folder"
 
@@ -454,8 +454,8 @@ def test_lm_eval_harness_runs_on_the_export_offline(cli_export, tmp_path):
              "answer": i % 3} for i, w in enumerate(["alpha", "beta", "gamma", "delta", "stem"])]
     (tasks / "data.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     (tasks / "my_local_task.yaml").write_text(readme_task_yaml(tasks / "data.jsonl"))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "HF_HOME": str(tmp_path / "hf_home"), "PYTHONWARNINGS": "ignore"}
+    env = subprocess_env(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                         HF_HOME=str(tmp_path / "hf_home"), PYTHONWARNINGS="ignore")
     proc = subprocess.run(
         [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
          f"pretrained={cli_export},trust_remote_code=True,stem_tables_on_cpu=True",

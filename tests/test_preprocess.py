@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, subprocess_env
 from megatron_stem.data.indexed import PartWriter, merge, token_dtype
 from megatron_stem.data.preprocess import PreprocessConfig, preprocess
 from megatron_stem.data.worker import BadRecord
@@ -433,10 +433,10 @@ def test_array_groups_then_merge(shards, reference, sp_model, tmp_path):
 
 def test_slurm_scripts_run_without_slurm(shards, reference, sp_model, tmp_path):
     """slurm/preprocess.sbatch as SLURM would run it (array tasks, then the merge task)."""
-    env = {**os.environ, "INPUT": str(shards), "OUTPUT_PREFIX": str(tmp_path / "out"),
-           "TOKENIZER_TYPE": "sentencepiece", "TOKENIZER_MODEL": sp_model,
-           "EXTRA_ARGS": "--append-eod", "SLURM_CPUS_PER_TASK": "1",
-           "PYTHON": sys.executable}
+    env = subprocess_env(INPUT=str(shards), OUTPUT_PREFIX=str(tmp_path / "out"),
+                         TOKENIZER_TYPE="sentencepiece", TOKENIZER_MODEL=str(sp_model),
+                         EXTRA_ARGS="--append-eod", SLURM_CPUS_PER_TASK="1",
+                         PYTHON=sys.executable)
     for task in ("0", "1"):
         subprocess.run(["bash", "slurm/preprocess.sbatch"], cwd=ROOT, check=True, env={
             **env, "SLURM_ARRAY_TASK_ID": task, "SLURM_ARRAY_TASK_COUNT": "2"},

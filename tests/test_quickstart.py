@@ -1,15 +1,14 @@
 """The README's main command path, shortened: tokenizer, preprocessing, 2-rank training."""
 
-import os
 import re
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, subprocess_env
 
 
 def test_quickstart_trains_with_decreasing_loss(tmp_path):
-    env = {**os.environ, "QUICKSTART_DIR": str(tmp_path), "PYTHON": sys.executable}
+    env = subprocess_env(QUICKSTART_DIR=str(tmp_path), PYTHON=sys.executable)
     proc = subprocess.run(
         ["bash", str(ROOT / "tools" / "quickstart.sh"), "train.steps=40",
          "train.log_interval=10", "train.eval_interval=20", "train.save_interval=20",

@@ -13,7 +13,7 @@ import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from conftest import ROOT, torchrun
+from conftest import ROOT, subprocess_env, torchrun
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_cli_reports_missing_data_in_one_line(tmp_path):
     recipe.write_text("inherit: " + str(ROOT / "recipes" / "tiny_cpu.yaml") +
                       "\ndata: {prefixes: [" + str(tmp_path / "nothing") + "]}\n")
     proc = subprocess.run([sys.executable, "-m", "megatron_stem.train", "--recipe", str(recipe)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=subprocess_env())
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == \
         f"error: data.prefixes: {tmp_path / 'nothing'}.bin not found (give the path without " \
