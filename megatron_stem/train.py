@@ -146,7 +146,9 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
                               dp_rank, dp, device())
         valid = StepBatches(valid_ds, train.micro_batch_size, per_eval, dp_rank, dp,
                             device()).microbatches(0)
-        metrics = Metrics(str(save_dir / "tensorboard"), enabled=rank0, purge_step=step)
+        # Purge from the first step this run logs: events a stopped run wrote after its
+        # checkpoint go, the checkpoint step's own stay (TensorBoard drops step >= purge_step).
+        metrics = Metrics(str(save_dir / "tensorboard"), enabled=rank0, purge_step=step + 1)
         if rank0:
             print(f"model: {account(recipe.model).summary()} | world {dist.get_world_size()}"
                   f" = TP {recipe.parallel.tensor_parallel} x DP {dp} | "

@@ -79,6 +79,12 @@ def test_kill_and_resume_gives_the_same_curve(train, reference, tmp_path):
     assert not second["preempted"] and second["step"] == 6
     # Bit-exact: same data position, optimizer states and step count.
     assert first["losses"] + second["losses"] == reference["lazy"]["losses"]
+    # One TensorBoard curve: the resumed run keeps the checkpoint step's events.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
 
 
 def test_checkpoint_saved_at_tp2_resumes_at_tp1(train, reference, tmp_path):
