@@ -122,6 +122,10 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
                           "parallelism (checkpoints saved this way load at any PP)")
     check_prefixes(recipe.data.prefixes)
     tokenizer = tokenizer or _load_tokenizer(recipe)
+    # Before anything slow: a stop signal during start-up must set the flag, not kill the
+    # rank by default action (possibly while it holds torch's JIT-extension build lock,
+    # which would then hang every later run sharing that cache).
+    preemption = Preemption()
     init_distributed(recipe.parallel, seed=train.seed)
     try:
         save_dir = Path(train.save_dir)
@@ -155,7 +159,6 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
                   f"{'resuming from ' + str(ckpt) if ckpt else 'from scratch'}", flush=True)
 
         result = {"losses": [], "valid": [], "step": step, "preempted": False}
-        preemption = Preemption()
         tokens_per_step = train.global_batch_size * recipe.model.seq_length
         flops_per_token = 6 * account(recipe.model).active_params + \
             12 * recipe.model.num_layers * recipe.model.hidden_size * recipe.model.seq_length
