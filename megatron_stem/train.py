@@ -131,6 +131,10 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
                           "parallelism (checkpoints saved this way load at any PP)")
     check_prefixes(recipe.data.prefixes)
     tokenizer = tokenizer or _load_tokenizer(recipe)
+    # Before anything slow: a stop signal during start-up must set the flag, not kill the
+    # rank by default action (possibly while it holds torch's JIT-extension build lock,
+    # which would then hang every later run sharing that cache).
+    preemption = Preemption()
     init_distributed(recipe.parallel, seed=train.seed)
     try:
         save_dir = Path(train.save_dir)
@@ -159,7 +163,9 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
                               dp_rank, dp, device())
         valid = StepBatches(valid_ds, train.micro_batch_size, per_eval, dp_rank, dp,
                             device()).microbatches(0)
-        metrics = Metrics(str(save_dir / "tensorboard"), enabled=rank0, purge_step=step)
+        # Purge from the first step this run logs: events a stopped run wrote after its
+        # checkpoint go, the checkpoint step's own stay (TensorBoard drops step >= purge_step).
+        metrics = Metrics(str(save_dir / "tensorboard"), enabled=rank0, purge_step=step + 1)
         if rank0:
             origin = (f"resuming from {ckpt}" if ckpt else
                       f"initialized from {init}" if init else "from scratch")
@@ -167,7 +173,6 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
                   f" = TP {recipe.parallel.tensor_parallel} x DP {dp} | {origin}", flush=True)
 
         result = {"losses": [], "valid": [], "step": step, "preempted": False}
-        preemption = Preemption()
         tokens_per_step = train.global_batch_size * recipe.model.seq_length
         flops_per_token = 6 * account(recipe.model).active_params + \
             12 * recipe.model.num_layers * recipe.model.hidden_size * recipe.model.seq_length

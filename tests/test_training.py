@@ -79,6 +79,21 @@ def test_kill_and_resume_gives_the_same_curve(train, reference, tmp_path):
     assert not second["preempted"] and second["step"] == 6
     # Bit-exact: same data position, optimizer states and step count.
     assert first["losses"] + second["losses"] == reference["lazy"]["losses"]
+    # One TensorBoard curve: the resumed run keeps the checkpoint step's events.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_stop_signal_during_startup_saves_after_one_step(train, reference, tmp_path):
+    """SLURM's stop signal can come while the ranks are still starting: it must not kill
+    them by default action; they train one step, save it and stop for the requeue."""
+    result = train(1, save_dir=tmp_path, preempt_at=-1, name="startup_stop")
+    assert result["preempted"] and result["step"] == 1
+    assert result["losses"] == reference["lazy"]["losses"][:1]
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000001"
 
 
 def test_checkpoint_saved_at_tp2_resumes_at_tp1(train, reference, tmp_path):

@@ -1,7 +1,7 @@
 """Run the trainer on a tiny model and dump its result as JSON.
 
     torchrun --nproc_per_node N train_worker.py --data PREFIX --out FILE.json
-             [--preempt-at STEP] [section.field=value ...]
+             [--preempt-at STEP|-1] [section.field=value ...]
 """
 
 import argparse
@@ -24,12 +24,28 @@ class VocabOnlyTokenizer:
         self.unique_identifiers = {"class": "VocabOnlyTokenizer", "vocab_size": vocab_size}
 
 
+class StopDuringStartup(VocabOnlyTokenizer):
+    """Sends this rank SIGUSR1 when megatron's dataset builder first reads the tokenizer's
+    identity: a stop signal in the middle of the trainer's start-up."""
+
+    @property
+    def unique_identifiers(self):
+        if not getattr(self, "_signalled", False):
+            self._signalled = True
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return self._identifiers
+
+    @unique_identifiers.setter
+    def unique_identifiers(self, value):
+        self._identifiers = value
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--preempt-at", type=int, default=0,
-                    help="rank 0 sends itself SIGUSR1 after this step")
+                    help="rank 0 sends itself SIGUSR1 after this step; -1: during start-up")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     data = {"model": {**TINY, "stem_layers": "1/2"},
@@ -45,7 +61,9 @@ def main():
         if step == args.preempt_at and int(os.environ["RANK"]) == 0:
             os.kill(os.getpid(), signal.SIGUSR1)
 
-    result = run(recipe, VocabOnlyTokenizer(recipe.model.vocab_size), on_step)
+    tokenizer = (StopDuringStartup if args.preempt_at < 0 else VocabOnlyTokenizer)(
+        recipe.model.vocab_size)
+    result = run(recipe, tokenizer, on_step)
     if int(os.environ["RANK"]) == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -1,0 +1,203 @@
+# Sourced by slurm/*.sbatch: runs megatron-stem training on the job's nodes.
+#
+# One `torchrun` per node (srun, one task per node), c10d rendezvous on the job's first
+# node, one rank per GPU. Stopping and requeueing:
+#   - SIGUSR1 to this batch shell (`#SBATCH --signal=B:USR1@300` before the time limit, or
+#     `scancel --signal=USR1 --batch JOB` by hand) is forwarded to every rank; the trainer
+#     finishes its step, saves a checkpoint and exits, then this script requeues the job;
+#     the next run resumes from `<save_dir>/latest` (same step counter, same TensorBoard run).
+#   - SIGTERM (scancel, preemption, time limit) also reaches the ranks (SLURM signals them
+#     itself); they save if SLURM gives them time. Preempted jobs are requeued by SLURM.
+#   - A rank that dies ends the whole job at once (srun --kill-on-bad-exit) with a
+#     "stem: FAILED" line; nothing waits for the time limit.
+#
+# Settings are environment variables (export them, or `sbatch --export=ALL,NAME=value`);
+# nodes, time and job name are sbatch flags (`sbatch --nodes=8 --time=12:00:00 ...`):
+#   STEM_RECIPE           recipe YAML (each sbatch file sets its default)
+#   STEM_DATA             training data: .bin/.idx prefixes, space-separated (data.prefixes)
+#   STEM_TOKENIZER        tokenizer model file (data.tokenizer_model)
+#   STEM_TOKENIZER_TYPE   sentencepiece or huggingface (data.tokenizer_type)
+#   STEM_OVERRIDES        more recipe overrides, space-separated section.field=value
+#   STEM_OUTPUT           root folder of runs (default: runs)
+#   STEM_RUN_NAME         this run's folder name (default: the job name, sbatch --job-name)
+#   STEM_SAVE_DIR         checkpoints + TensorBoard (default: $STEM_OUTPUT/$STEM_RUN_NAME/checkpoints)
+#   STEM_PROCS_PER_NODE   ranks per node (default: the job's GPUs per node; 1 without GPUs)
+#   STEM_VENV             virtualenv to activate (default: .venv of this checkout, if any)
+#   STEM_MODULES          environment modules to `module load` first, space-separated
+#   STEM_SETUP            a shell file to source for site settings (conda, NCCL_IB_*, ...)
+#   STEM_MASTER_PORT      rendezvous port on the first node (default: 20000 + job id % 20000)
+#   STEM_SHUTDOWN_TIMEOUT seconds the ranks get to save after a stop signal (default: 600)
+#   STEM_TRAIN_MODULE     the Python module torchrun runs (default: megatron_stem.train)
+# NCCL_* / TORCH_NCCL_* variables already set are kept (see "NCCL defaults" below).
+
+set -uo pipefail
+
+stem_log() { echo "stem: $*"; }
+stem_die() { echo "stem: error: $*" >&2; exit 2; }
+
+[[ -n ${SLURM_JOB_ID:-} ]] ||
+    stem_die "launch.sh runs inside a SLURM batch job: submit with sbatch slurm/<model>.sbatch"
+
+STEM_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+_stem_t0=$SECONDS
+_stem_restart=${SLURM_RESTART_COUNT:-0}
+
+# --- software environment -----------------------------------------------------------
+if [[ -n ${STEM_MODULES:-} ]]; then
+    type module >/dev/null 2>&1 || source /etc/profile >/dev/null 2>&1
+    type module >/dev/null 2>&1 || stem_die "STEM_MODULES is set but this shell has no 'module' command"
+    # shellcheck disable=SC2086
+    module load $STEM_MODULES || stem_die "STEM_MODULES: 'module load $STEM_MODULES' failed"
+fi
+if [[ -n ${STEM_SETUP:-} ]]; then
+    # shellcheck disable=SC1090
+    source "$STEM_SETUP" || stem_die "STEM_SETUP: sourcing $STEM_SETUP failed"
+fi
+_stem_venv=${STEM_VENV:-}
+[[ -z $_stem_venv && -f $STEM_ROOT/.venv/bin/activate ]] && _stem_venv=$STEM_ROOT/.venv
+if [[ -n $_stem_venv ]]; then
+    [[ -f $_stem_venv/bin/activate ]] || stem_die "STEM_VENV: $_stem_venv/bin/activate not found"
+    # shellcheck disable=SC1091
+    source "$_stem_venv/bin/activate"
+fi
+# This checkout's code runs, whatever copy of megatron_stem the environment has installed.
+export PYTHONPATH=$STEM_ROOT${PYTHONPATH:+:$PYTHONPATH}
+_stem_module=${STEM_TRAIN_MODULE:-megatron_stem.train}
+python -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('torch') and u.find_spec('${_stem_module%%.*}')))" \
+    2>/dev/null || stem_die "$(command -v python || echo python) cannot import torch and " \
+    "${_stem_module%%.*}: set STEM_VENV (a virtualenv with requirements.txt installed) or STEM_MODULES"
+
+# --- layout: nodes, ranks, rendezvous --------------------------------------------------
+_stem_nnodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
+if [[ -n ${STEM_PROCS_PER_NODE:-} ]]; then
+    _stem_procs=$STEM_PROCS_PER_NODE
+elif [[ -n ${SLURM_GPUS_ON_NODE:-} ]]; then
+    _stem_procs=$SLURM_GPUS_ON_NODE
+elif [[ -n ${SLURM_GPUS_PER_NODE:-} ]]; then
+    _stem_procs=${SLURM_GPUS_PER_NODE##*:}  # "8" or "h100:8"
+else
+    _stem_procs=1
+fi
+[[ $_stem_procs =~ ^[1-9][0-9]*$ ]] || stem_die "STEM_PROCS_PER_NODE: expected a positive integer, got '$_stem_procs'"
+# CPUs of the smallest node (SLURM_JOB_CPUS_PER_NODE looks like "64(x2),32").
+_stem_cpus=$(tr ',' '\n' <<<"${SLURM_JOB_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-1}}" | sed 's/(.*//' | sort -n | head -n1)
+_stem_master=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+_stem_port=${STEM_MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+
+# --- NCCL defaults (a site's own settings win) -----------------------------------------
+# A failed or hung collective aborts the process instead of hanging until the time limit.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+# Network selection (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_IB_GID_INDEX, ...) is the site's:
+# set it in STEM_SETUP. CPU threads: the node's CPUs shared by its ranks.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( _stem_cpus / _stem_procs > 0 ? _stem_cpus / _stem_procs : 1 ))}
+export PYTHONUNBUFFERED=1
+
+# --- folders and the training command --------------------------------------------------
+_stem_recipe=${STEM_RECIPE:?set STEM_RECIPE to a recipe YAML}
+[[ -f $_stem_recipe || $_stem_recipe = /* ]] || _stem_recipe=$STEM_ROOT/$_stem_recipe
+[[ -f $_stem_recipe ]] || stem_die "STEM_RECIPE: $STEM_RECIPE not found (relative paths are from $PWD or $STEM_ROOT)"
+_stem_run_dir=$(realpath -m "${STEM_OUTPUT:-runs}/${STEM_RUN_NAME:-${SLURM_JOB_NAME:-stem}}")
+_stem_save_dir=$(realpath -m "${STEM_SAVE_DIR:-$_stem_run_dir/checkpoints}")
+_stem_job_dir=$_stem_run_dir/jobs/$SLURM_JOB_ID
+mkdir -p "$_stem_save_dir" "$_stem_job_dir" || stem_die "cannot create $_stem_save_dir and $_stem_job_dir"
+_stem_stdout=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *StdOut=//p')
+[[ -n $_stem_stdout ]] && ln -sfn "$_stem_stdout" "$_stem_job_dir/slurm.out"
+
+_stem_args=(--recipe "$_stem_recipe" "train.save_dir=$_stem_save_dir")
+if [[ -n ${STEM_DATA:-} ]]; then
+    read -r -a _stem_prefixes <<<"$STEM_DATA"
+    _stem_list=$(printf '"%s",' "${_stem_prefixes[@]}")
+    _stem_args+=("data.prefixes=[${_stem_list%,}]")
+fi
+[[ -n ${STEM_TOKENIZER:-} ]] && _stem_args+=("data.tokenizer_model=$STEM_TOKENIZER")
+[[ -n ${STEM_TOKENIZER_TYPE:-} ]] && _stem_args+=("data.tokenizer_type=$STEM_TOKENIZER_TYPE")
+read -r -a _stem_overrides <<<"${STEM_OVERRIDES:-}"
+_stem_args+=("${_stem_overrides[@]}")
+
+# torchrun's options (slurm/torchrun.py is torchrun with a quiet, safe stop; see there).
+export STEM_SHUTDOWN_TIMEOUT=${STEM_SHUTDOWN_TIMEOUT:-600}
+export STEM_STOP_MARKER=$_stem_job_dir/stopped.$_stem_restart
+rm -f "$STEM_STOP_MARKER".*
+_stem_torchrun=(
+    --nnodes="$_stem_nnodes" --nproc-per-node="$_stem_procs"
+    --rdzv-backend=c10d --rdzv-endpoint="$_stem_master:$_stem_port"
+    --rdzv-id="$SLURM_JOB_ID-$_stem_restart" --max-restarts=0
+    # forwarded to the ranks, which get this long to finish the step, save and exit
+    --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
+    --shutdown-timeout="$STEM_SHUTDOWN_TIMEOUT"
+    -m "$_stem_module" "${_stem_args[@]}"
+)
+# Run by srun once per node. Node 0 (the first host) hosts the rendezvous store: chosen by
+# node id, not by matching host names.
+_stem_node_cmd='echo "stem: node $SLURM_NODEID/$SLURM_NNODES is $(hostname): torchrun with '"$_stem_procs"' rank(s)"
+exec python "$0" --rdzv-conf="is_host=$((SLURM_NODEID == 0)),read_timeout=300" "$@"'
+
+_stem_latest() { cat "$_stem_save_dir/latest" 2>/dev/null || echo "none"; }
+
+{
+    echo "=== $(date '+%F %T') job $SLURM_JOB_ID restart $_stem_restart on $SLURM_JOB_NODELIST"
+    echo "cwd: $PWD"
+    echo "checkout: $STEM_ROOT ($(git -C "$STEM_ROOT" describe --always --dirty 2>/dev/null || echo 'not a git checkout'))"
+    echo "python: $(command -v python)"
+    echo "command: srun ... python $STEM_ROOT/slurm/torchrun.py ${_stem_torchrun[*]}"
+    env | grep -E '^(STEM_|NCCL_|TORCH_NCCL_|OMP_NUM_THREADS|CUDA_VISIBLE_DEVICES|SLURM_(JOB_|GPUS|CPUS|NNODES|RESTART))' | sort
+} >>"$_stem_job_dir/launch.log"
+
+stem_log "job $SLURM_JOB_ID (restart $_stem_restart) $(date '+%F %T'): $_stem_nnodes node(s) x $_stem_procs rank(s) on $SLURM_JOB_NODELIST, rendezvous $_stem_master:$_stem_port"
+stem_log "recipe $_stem_recipe | checkpoints $_stem_save_dir (latest: $(_stem_latest)) | job files $_stem_job_dir"
+
+# --- signals ----------------------------------------------------------------------------
+_stem_stop=0
+_stem_requeueing=0
+_stem_on_usr1() {
+    (( _stem_stop )) && return
+    _stem_stop=1
+    stem_log "SIGUSR1 (time limit near, or a manual stop): every rank saves a checkpoint and stops; then the job is requeued"
+    # Every process of the job's steps (torchrun and the ranks), not this batch shell.
+    scancel --signal=USR1 "$SLURM_JOB_ID" ||
+        stem_log "warning: scancel --signal=USR1 $SLURM_JOB_ID failed"
+}
+_stem_on_term() {
+    (( _stem_requeueing )) && return
+    stem_log "SIGTERM: SLURM is ending the job (scancel, preemption or time limit); ranks save a checkpoint if there is time"
+}
+trap _stem_on_usr1 USR1
+trap _stem_on_term TERM
+
+# --- run ---------------------------------------------------------------------------------
+srun --kill-on-bad-exit=1 --nodes="$_stem_nnodes" --ntasks-per-node=1 \
+    --cpus-per-task="$_stem_cpus" bash -c "$_stem_node_cmd" "$STEM_ROOT/slurm/torchrun.py" "${_stem_torchrun[@]}" &
+_stem_srun=$!
+# `wait` returns early whenever a trapped signal arrives: keep waiting while srun lives.
+_stem_rc=0
+while kill -0 "$_stem_srun" 2>/dev/null; do
+    wait "$_stem_srun"
+    _stem_rc=$?
+done
+wait "$_stem_srun" 2>/dev/null
+_stem_r=$?
+(( _stem_r != 127 )) && _stem_rc=$_stem_r
+
+_stem_elapsed=$(date -u -d "@$(( SECONDS - _stem_t0 ))" +%T)
+# A stop asked for through this script, or SIGUSR1 sent to the job steps directly
+# (slurm/torchrun.py leaves a marker per node).
+compgen -G "$STEM_STOP_MARKER.*" >/dev/null && _stem_stop=1
+if (( _stem_stop )); then
+    (( _stem_rc )) && stem_log "warning: srun exited with code $_stem_rc during the stop (see above); resuming from the last complete checkpoint"
+    stem_log "stopped after $_stem_elapsed; latest checkpoint: $(_stem_latest); requeueing job $SLURM_JOB_ID (restart $(( _stem_restart + 1 )) resumes from it)"
+    _stem_requeueing=1
+    if ! scontrol requeue "$SLURM_JOB_ID"; then
+        stem_log "error: scontrol requeue $SLURM_JOB_ID failed (submitted with --no-requeue?); resubmit the same command to resume from $(_stem_latest)"
+        exit 1
+    fi
+    exit 0
+elif (( _stem_rc == 0 )); then
+    stem_log "training finished after $_stem_elapsed; latest checkpoint: $(_stem_latest)"
+    exit 0
+else
+    stem_log "FAILED after $_stem_elapsed: a training process failed and srun stopped every node (exit code $_stem_rc)." \
+        "The first error above names the node and rank (srun's 'error:' line, torchrun's 'Root Cause', a Traceback)." \
+        "Resubmitting resumes from the latest checkpoint: $(_stem_latest)"
+    exit "$_stem_rc"
+fi
