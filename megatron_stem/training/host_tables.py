@@ -179,6 +179,8 @@ class HostTableStore:
         self.cache = RowCache(self.vocab, cache_rows, [self.width] * len(self.hosts), dtype,
                               [self.device] * len(self.hosts), cache_decay) \
             if cache_rows else None
+        if self.cuda:  # the cache was zero-filled on the compute stream; all else is here
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.stats = _Stats()
         self._entries: list[_Entry] = []
         self._by_key: dict[int, _Entry] = {}
@@ -385,5 +387,6 @@ class HostTableStore:
             slots = torch.unique(torch.cat([admitted, stale]))
             if slots.numel():
                 fetched = self._to_device(self.cache.id_of[slots])
-                self.cache.write(slots, list(fetched.unbind(0)))
+                for t, rows in enumerate(fetched.unbind(0)):
+                    self.cache.write(t, slots, rows)
 

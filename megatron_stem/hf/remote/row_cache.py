@@ -69,10 +69,10 @@ class RowCache:
         self.freq.mul_(self.decay)
         return slots
 
-    def write(self, slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
-        """rows[t][i] becomes table t's row in slot slots[i] (rows on the cache's devices)."""
-        for cached, new in zip(self.rows, rows):
-            cached.index_copy_(0, slots.to(cached.device, non_blocking=True), new)
+    def write(self, table: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """rows[i] becomes table `table`'s row in slot slots[i] (rows on its device)."""
+        cached = self.rows[table]
+        cached.index_copy_(0, slots.to(cached.device, non_blocking=True), rows)
 
     def clear(self) -> None:
         self.slot_of.fill_(-1)
