@@ -223,6 +223,28 @@ def test_tables_on_cpu_give_identical_logits_and_stay_on_the_host(megatron, expo
                if name.endswith("mlp.table.weight"))
 
 
+def test_host_tables_with_a_decode_cache_give_identical_logits(megatron, exported):
+    """A cache far smaller than the vocabulary (evictions all along): greedy decoding and
+    full-sequence logits are unchanged, decoding is partly served by the cache, and a
+    table edited in place is never read stale from it."""
+    plain = load_hf(exported["stem_tp2"])
+    host = load_hf(exported["stem_tp2"], stem_tables_on_cpu=True, stem_table_cache_rows=8)
+    prompt, greedy = megatron["prompt"], megatron["stem_tp2"]["greedy"]
+    out = host.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                        max_new_tokens=greedy.shape[1] - prompt.shape[1])
+    assert torch.equal(out, greedy)
+    tokens, stager = megatron["tokens"], host.model.host_rows
+    with torch.no_grad():
+        assert torch.equal(host(tokens).logits, plain(tokens).logits)
+        hits = stager.hits
+        assert torch.equal(host(tokens).logits, plain(tokens).logits)  # now partly cached
+        assert stager.hits > hits
+        hot = int(host.model.host_rows.cache.id_of[0])
+        for model in (plain, host):
+            model.model.layers[1].mlp.table.weight[hot] += 1.0
+        assert torch.equal(host(tokens).logits, plain(tokens).logits)
+
+
 def test_left_padded_batch_generates_like_each_prompt_alone(exported):
     model = load_hf(exported["stem_tp2"])
     a, b = [5, 17, 42, 7, 99, 3], [8, 250, 31]

@@ -102,6 +102,42 @@ def test_checkpoint_saved_at_tp2_resumes_at_tp1(train, reference, tmp_path):
     assert_same_curve(first["losses"] + second["losses"], reference["lazy"]["losses"])
 
 
+def test_host_tables_two_ranks_one_copy_killed_and_resumed(train, reference, tmp_path):
+    """tables.placement=host: 2 DP ranks share one host copy (each updates the rows it
+    owns), with a hot-row cache and activation recompute; killed at step 3 and resumed,
+    the curve is the device-resident single-rank one. The host metrics are logged."""
+    host = ["tables.placement=host", "tables.cache_rows=64", "parallel.recompute=full"]
+    first = train(2, *host, save_dir=tmp_path, preempt_at=3, name="host_lazy")
+    second = train(2, *host, save_dir=tmp_path, name="host_lazy_resumed")
+    assert first["step"] == 3 and second["step"] == 6
+    assert_same_curve(first["losses"] + second["losses"], reference["lazy"]["losses"])
+    log = tensorboard_scalars(tmp_path / "tensorboard")
+    for tag in ("tables/prefetch_wait_ms", "tables/h2d_bytes", "tables/cache_hit_rate"):
+        assert sorted(log[tag]) == list(range(1, 7)), tag
+    assert all(v > 0 for v in log["tables/h2d_bytes"].values())
+    # Each run starts with an empty cache, then hot rows hit.
+    assert log["tables/cache_hit_rate"][1] == log["tables/cache_hit_rate"][4] == 0
+    assert all(0 < log["tables/cache_hit_rate"][s] < 1 for s in (2, 3, 5, 6))
+
+
+def tensorboard_scalars(folder) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} over every event file in `folder` (a resumed run adds one)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    out = {}
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                out.setdefault(value.tag, {})[event.step] = value.tensor.float_val[0]
+    return out
+
+
+def test_host_tables_dense_update_matches_device(train, reference):
+    result = train(1, "tables.update=dense", "tables.placement=host", "tables.cache_rows=32",
+                   "optimizer.zero_stage=2", name="host_dense")
+    assert_same_curve(result["losses"], reference["dense"]["losses"])
+
+
 def test_cli_reports_missing_data_in_one_line(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("inherit: " + str(ROOT / "recipes" / "tiny_cpu.yaml") +

@@ -25,7 +25,7 @@ from megatron_stem.errors import ConfigError, UserError
 
 MODEL_TYPE = "megatron_stem"
 ARCHITECTURE = "StemForCausalLM"
-REMOTE_FILES = ("configuration_stem.py", "modeling_stem.py")
+REMOTE_FILES = ("configuration_stem.py", "modeling_stem.py", "row_cache.py")
 AUTO_MAP = {"AutoConfig": "configuration_stem.StemConfig",
             "AutoModelForCausalLM": "modeling_stem.StemForCausalLM"}
 
@@ -186,6 +186,7 @@ def hf_config(m: ModelConfig, dtype: str) -> dict:
         "tie_word_embeddings": not m.untie_embeddings,
         "stem_layers": m.stem_layer_indices,
         "stem_tables_on_cpu": False,
+        "stem_table_cache_rows": 0,
         "use_cache": True,
         "dtype": dtype,
         MEGATRON_KEY: {k: getattr(m, k) for k in _VERBATIM},

@@ -32,7 +32,8 @@ class StemMLP(MegatronModule):
 
     def __init__(self, config: TransformerConfig, submodules: StemMLPSubmodules,
                  vocab_size: int, table_seed: int,
-                 tp_group: Optional[torch.distributed.ProcessGroup] = None):
+                 tp_group: Optional[torch.distributed.ProcessGroup] = None,
+                 table_placement: str = "device"):
         super().__init__(config=config)
         tp_group = get_tensor_model_parallel_group_if_none(tp_group)
         linear_args = dict(config=config, bias=False, skip_bias_add=True, is_expert=False,
@@ -43,7 +44,8 @@ class StemMLP(MegatronModule):
             tp_comm_buffer_name="fc1", **linear_args)
         self.table = build_module(
             submodules.table, config=config, num_embeddings=vocab_size,
-            ffn_hidden_size=config.ffn_hidden_size, init_seed=table_seed, tp_group=tp_group)
+            ffn_hidden_size=config.ffn_hidden_size, init_seed=table_seed, tp_group=tp_group,
+            placement=table_placement)
         self.linear_down = build_module(
             submodules.linear_down, config.ffn_hidden_size, config.hidden_size,
             init_method=config.output_layer_init_method, input_is_parallel=True,

@@ -16,6 +16,10 @@ class StemConfig(PretrainedConfig):
     `stem_tables_on_cpu`: keep the tables in host memory whatever device the model is moved
     to, and copy to the compute device only the rows a forward looks up (for GPUs too small
     to hold the tables). Pass it to `from_pretrained(..., stem_tables_on_cpu=True)`.
+
+    `stem_table_cache_rows`: with `stem_tables_on_cpu`, keep this many rows of each table
+    on the compute device for the most frequent ids (LFU with aging), so that decoding is
+    served mostly from device memory; 0 = no cache.
     """
 
     model_type = "megatron_stem"
@@ -25,8 +29,8 @@ class StemConfig(PretrainedConfig):
                  num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=None,
                  head_dim=None, max_position_embeddings=2048, rms_norm_eps=1e-5,
                  rope_theta=500000.0, initializer_range=0.02, stem_layers=(),
-                 stem_tables_on_cpu=False, use_cache=True, tie_word_embeddings=False,
-                 **kwargs):
+                 stem_tables_on_cpu=False, stem_table_cache_rows=0, use_cache=True,
+                 tie_word_embeddings=False, **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -40,6 +44,7 @@ class StemConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.stem_layers = sorted(int(i) for i in stem_layers)
         self.stem_tables_on_cpu = stem_tables_on_cpu
+        self.stem_table_cache_rows = int(stem_table_cache_rows)
         self.use_cache = use_cache
         self.hidden_act = "silu"
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

@@ -9,6 +9,7 @@ A STEM layer's FFN is `down( silu(gate(x)) * table[token_id] )`: the table row o
 positions of a forward are exactly the new tokens, so `input_ids` is all the lookup needs.
 """
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -24,6 +25,7 @@ except ImportError:  # older transformers only initializes missing weights anywa
     from torch.nn import init
 
 from .configuration_stem import StemConfig
+from .row_cache import RowCache
 
 # transformers 5 renamed the cache field of model outputs from `past_key_values` to `cache`.
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ \
@@ -107,23 +109,33 @@ class StemTable(nn.Module):
     """`table[token_id]` rows of one STEM layer, [vocab_size, intermediate_size].
 
     `host_resident`: the table stays in CPU memory whatever device the model moves to
-    (`.to()`, `.cuda()`, or a `device_map` at load time); each forward gathers the unique
-    rows it needs on the host and copies only those to the compute device.
+    (`.to()`, `.cuda()`, or a `device_map` at load time). The model stages the rows a
+    forward needs before its first layer (`HostRowStager`); a table called on its own
+    gathers its unique rows on the host and copies only those.
     """
 
     def __init__(self, config: StemConfig):
         super().__init__()
         self.host_resident = bool(config.stem_tables_on_cpu)
         self.weight = nn.Parameter(torch.empty(config.vocab_size, config.intermediate_size))
+        self.staged = None  # (input_ids, inverse, rows, ready event) set by HostRowStager
 
     def forward(self, input_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
         if not self.host_resident:
             return F.embedding(input_ids, self.weight)
-        unique, inverse = torch.unique(input_ids, return_inverse=True)
-        rows = self.weight.index_select(0, unique.to(self.weight.device))
-        if device.type == "cuda":
-            rows = rows.pin_memory()
-        return F.embedding(inverse.to(device), rows.to(device, non_blocking=True))
+        staged, self.staged = self.staged, None
+        if staged is None or staged[0] is not input_ids:  # not staged for these ids
+            unique, inverse = torch.unique(input_ids.cpu(), return_inverse=True)
+            rows = self.weight.index_select(0, unique)
+            if device.type == "cuda":
+                rows = rows.pin_memory()
+            return F.embedding(inverse.to(device), rows.to(device, non_blocking=True))
+        _, inverse, rows, ready = staged
+        if ready is not None:
+            torch.cuda.current_stream(device).wait_event(ready)
+            for t in (inverse, rows):  # allocated on the copy stream
+                t.record_stream(torch.cuda.current_stream(device))
+        return F.embedding(inverse, rows)
 
     def _apply(self, fn, recurse=True):
         if not self.host_resident:
@@ -142,6 +154,95 @@ class StemTable(nn.Module):
                 isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta")):
             value = nn.Parameter(value.detach().cpu(), requires_grad=value.requires_grad)
         super().__setattr__(name, value)
+
+
+class HostRowStager:
+    """Stages, at the start of a forward, the rows every host-resident table will look up.
+
+    The ids are deduplicated once for all tables. Rows of ids in the cache (`RowCache`,
+    `config.stem_table_cache_rows`: the most frequent ids, on each table's device) are
+    read there; the others are gathered on the host and copied, on a GPU from pinned
+    memory on a side stream, so the copies for later layers overlap the first layers'
+    compute (layer 0 is never STEM). Prefill copies each unique row once; decoding (a few
+    new ids per step) is mostly served by the cache. Cached rows are exact copies of the
+    table's, so logits do not change; a table modified in place (`_version`) or moved to
+    another dtype drops the cache.
+    """
+
+    def __init__(self, cache_rows: int):
+        self.cache_rows = cache_rows
+        self.cache = None
+        self._key = None  # what the cache was filled from
+        self._streams: dict = {}
+        self.hits = self.lookups = 0
+
+    def stage(self, tables: list, devices: list, input_ids: torch.Tensor) -> None:
+        unique, inverse = torch.unique(input_ids.cpu(), return_inverse=True)
+        cache = self._cache(tables, devices)
+        if cache is not None:
+            self._admit(cache, tables)
+            slots = cache.slots(unique)
+            hit = slots >= 0
+            cache.observe(unique)
+            self.hits += int(hit.sum())
+            self.lookups += unique.numel()
+        else:
+            hit = torch.zeros(unique.numel(), dtype=torch.bool)
+        missed = unique[~hit]
+        for i, (table, device) in enumerate(zip(tables, devices)):
+            with self._side_stream(device):
+                rows = self._copy(table.weight.index_select(0, missed), device)
+                if cache is not None and bool(hit.any()):
+                    full = torch.empty(unique.numel(), rows.shape[1], dtype=rows.dtype,
+                                       device=device)
+                    full[(~hit).to(device)] = rows
+                    full[hit.to(device)] = cache.rows[i][slots[hit].to(device)]
+                    rows = full
+                ready = None
+                if device.type == "cuda":
+                    ready = torch.cuda.Event()
+                    ready.record(self._streams[device])
+                table.staged = (input_ids, inverse.to(device, non_blocking=True), rows, ready)
+
+    def _cache(self, tables, devices):
+        if self.cache_rows <= 0:
+            return None
+        key = (tuple(devices), tuple((t.weight.dtype, t.weight._version) for t in tables))
+        if key != self._key:  # first use, moved, cast or edited: start over
+            vocab, width = tables[0].weight.shape
+            self.cache = RowCache(vocab, min(self.cache_rows, vocab),
+                                  [t.weight.shape[1] for t in tables], tables[0].weight.dtype,
+                                  devices, decay=0.99)
+            self._key = key
+            for device in devices:  # zero-filled on the compute stream, written on ours
+                if device.type == "cuda":
+                    self._stream(device).wait_stream(torch.cuda.current_stream(device))
+        return self.cache
+
+    def _admit(self, cache, tables) -> None:
+        """Bring in the ids that became hot since the last forward."""
+        slots = cache.plan()
+        if slots.numel():
+            ids = cache.id_of[slots]
+            for i, table in enumerate(tables):
+                device = cache.rows[i].device
+                with self._side_stream(device):
+                    cache.write(i, slots, self._copy(table.weight.index_select(0, ids), device))
+
+    def _copy(self, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if device.type != "cuda":
+            return rows.to(device)
+        return rows.pin_memory().to(device, non_blocking=True)
+
+    def _stream(self, device: torch.device):
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def _side_stream(self, device: torch.device):
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._stream(device))
 
 
 class StemTableMLP(nn.Module):
@@ -215,7 +316,14 @@ class StemModel(StemPreTrainedModel):
         self.layers = nn.ModuleList(
             StemDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = StemRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.host_rows = HostRowStager(config.stem_table_cache_rows) \
+            if config.stem_tables_on_cpu and config.stem_layers else None
         self.post_init()
+
+    def _stage_host_rows(self, input_ids: torch.Tensor) -> None:
+        mlps = [layer.mlp for layer in self.layers if isinstance(layer.mlp, StemTableMLP)]
+        self.host_rows.stage([m.table for m in mlps], [m.gate_proj.weight.device for m in mlps],
+                             input_ids)
 
     def get_input_embeddings(self):
         return self.embed_tokens
@@ -230,6 +338,8 @@ class StemModel(StemPreTrainedModel):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if input_ids is None and self.config.stem_layers:
             raise ValueError("a STEM model needs input_ids: its tables are indexed by token id")
+        if self.host_rows is not None and input_ids is not None:
+            self._stage_host_rows(input_ids)  # before layer 0: the copies overlap compute
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
