@@ -275,3 +275,162 @@ def test_resolve_errors_name_the_edit(stem, dense, tok):
                                       "occurrences": [0]}], "spec"), tok, stem.config)
     with pytest.raises(UserError, match="exists only at inference time"):
         bake_writes(stem, remaps)
+
+
+# ---------------------------------------------------------------------------------------
+# Hugging Face, saved edits, the CLI
+# ---------------------------------------------------------------------------------------
+
+EDITS = [{"source": "Spain", "target": "Germany"},
+         {"source": "United States", "target": "Peru", "strategy": "copy"},
+         {"source": "Peru", "target": "France Italy", "strategy": "average", "layers": [1, 2]},
+         {"inject": "snow", "rows_of": ["Japan"]}]
+PROMPTS = ["the capital of Spain is", "United States has its capital in",
+           "the capital of Peru is", "the capital of snow is", "the sky is"]
+
+
+@pytest.fixture(scope="module")
+def exported(facts_models, tmp_path_factory):
+    from megatron_stem.hf.export import export
+
+    return export(facts_models.stem.checkpoint, tmp_path_factory.mktemp("hf") / "stem",
+                  tokenizer=str(facts_models.tokenizer))
+
+
+@pytest.fixture(scope="module")
+def hf(exported):
+    return HFBackend(exported)
+
+
+def test_hf_export_edits_like_megatron(stem, hf, tok):
+    """The same remaps (per-layer, averaged) and injection on the HF export give the
+    megatron model's logits; `generate(stem_ids=...)` decodes like megatron under them."""
+    hf_tok = open_tokenizer(hf)  # the tokenizer.json the export ships
+    prompts = [hf_tok.encode(p) for p in PROMPTS]
+    assert prompts == [tok.encode(p) for p in PROMPTS]
+    results = []
+    for backend in (stem, hf):
+        remaps, injects = resolve(parse_edits(EDITS, "spec"), tok, backend.config)
+        with written(backend, inject_writes(backend, injects[0])):
+            results.append(forward.next_token_logprobs(backend, prompts,
+                                                       [remaps] * len(prompts)))
+    torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-5)
+    assert [tok.decode([int(i)]) for i in results[0].argmax(-1)][:2] == ["Berlin", "Lima"]
+
+    remaps, _ = resolve(parse_edits(EDITS[:1], "spec"), tok, stem.config)
+    ids = torch.tensor([prompts[0]])
+    stem_ids = build_stem_ids(ids, [ids.shape[1]], [remaps], stem.config.num_layers,
+                              stem.config.vocab_size).ids
+    out = hf.net.generate(ids, attention_mask=torch.ones_like(ids), stem_ids=stem_ids,
+                          do_sample=False, max_new_tokens=2)
+    assert out[0, ids.shape[1]:].tolist() == forward.greedy(stem, prompts[0], 2, remaps)
+    assert tok.decode(out[0, ids.shape[1]:].tolist()) == "Berlin ."
+
+
+def _answers(backend, tok, prompts=PROMPTS[:4]):
+    logp = forward.next_token_logprobs(backend, [tok.encode(p) for p in prompts])
+    return [tok.decode([int(i)]) for i in logp.argmax(-1)]
+
+
+def test_baked_edits_saved_as_a_checkpoint_and_as_an_hf_folder(stem, hf, tok, facts_models,
+                                                               tmp_path):
+    """Baked remaps + injection written out: the megatron checkpoint reloads (and is a
+    valid model-only input to to_hf and train.init_from); the HF folder rewrites only the
+    edited tables, every other tensor and file stays bit for bit."""
+    from megatron_stem import checkpoint
+    from megatron_stem.hf.export import export
+    from test_hf import hf_tensors
+
+    edits = parse_edits(EDITS[:2] + EDITS[3:], "spec")  # position-independent ones
+    expected = ["Berlin", "Lima", "Lima", "Tokyo"]
+    saved = {}
+    for backend, out in ((stem, tmp_path / "ckpt"), (hf, tmp_path / "hf")):
+        remaps, injects = resolve(edits, tok, backend.config)
+        writes = bake_writes(backend, remaps) + inject_writes(backend, injects[0])
+        before = _answers(backend, tok)
+        assert before[:3] == ["Madrid", "Washington", "Lima"]
+        with written(backend, writes):
+            saved[backend.kind] = backend.save(out)
+        assert _answers(backend, tok) == before  # the live model is restored
+    with MegatronBackend(saved["megatron"]) as edited:
+        assert _answers(edited, tok) == expected
+    original = checkpoint.read_recipe(checkpoint.resolve(facts_models.stem.checkpoint))
+    checkpoint.check_same_shape(checkpoint.read_recipe(saved["megatron"]), original, "edited")
+    reexported = export(tmp_path / "ckpt", tmp_path / "reexported")
+    edited_hf = HFBackend(saved["hf"])
+    assert _answers(edited_hf, tok) == expected
+    a, b = hf_tensors(saved["hf"]), hf_tensors(reexported)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    source = hf_tensors(hf.source)
+    changed = {k for k in source if not torch.equal(source[k], a[k])}
+    assert changed == {f"model.layers.{i}.mlp.table.weight" for i in stem.stem_layers}
+    for name in ("config.json", "tokenizer.json", "modeling_stem.py"):
+        assert (saved["hf"] / name).read_bytes() == (hf.source / name).read_bytes()
+    with pytest.raises(UserError, match="already exists"):
+        hf.save(saved["hf"])
+
+
+def tool(name: str):
+    from test_hf import tool as load_tool
+
+    return load_tool(name)
+
+
+def test_cli_shows_edits_writes_the_model_and_evaluates(facts_models, exported, tmp_path,
+                                                        capsys):
+    spec = tmp_path / "edits.yaml"
+    spec.write_text(json.dumps(EDITS))
+    rc = tool("edit_knowledge")(
+        ["--checkpoint", str(facts_models.stem.checkpoint), "--edits", str(spec),
+         "--prompt", PROMPTS[0], "--prompt", PROMPTS[2], "--max-new-tokens", "2",
+         "--top-k", "3"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    lines = out.splitlines()
+    i = lines.index(f"prompt {PROMPTS[0]!r}: remaps here [\"[0] 'Spain' -> 'Germany'\"]")
+    assert lines[i + 1].startswith("  before  'Madrid' ")
+    assert lines[i + 2].startswith("  after   'Berlin' ")
+    assert lines[i + 3:i + 5] == ["  greedy  before 'Madrid .'", "          after  'Berlin .'"]
+    assert "edit [1] 'United States' -> 'Peru': ['United', 'States'] -> ['Peru'] (copy, " \
+           "layers [0, 1, 2, 3])" in out
+
+    facts_file = tmp_path / "facts.yaml"
+    facts_file.write_text(json.dumps({
+        "facts": [{"subject": x, "prompt": facts.prompt(x), "answer": y} for x, y in SINGLE[:6]],
+        "modes": ["inference", "baked"], "unrelated": facts.UNRELATED}))
+    rc = tool("edit_knowledge")(
+        ["--hf", str(exported), "--eval", str(facts_file), "--json", str(tmp_path / "r.json"),
+         "--edits", str(spec), "--output", str(tmp_path / "edited_hf")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [r["success_count"] for r in report["results"]] == [6, 6]
+    assert "one_to_one  inference     6    6 100%" in out
+    assert _answers(HFBackend(tmp_path / "edited_hf"), tok=open_tokenizer(
+        HFBackend(exported)))[:1] == ["Berlin"]
+
+
+def test_cli_user_errors_are_one_line(facts_models, tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    spec = tmp_path / "edits.yaml"
+    cases = [("- {source: Spain, target: Germany, strategy: stretch}\n",
+              "strategy: expected one of"),
+             ("- {source: Spain, target: United States}\n", "one_to_one needs as many"),
+             ("- {source: Spain, target: Germany, layers: [9]}\n", "layer 9 is not a STEM layer"),
+             ("- source: [Spain\n", "not valid YAML")]
+    for text, message in cases:
+        spec.write_text(text)
+        rc = tool("edit_knowledge")(["--checkpoint", str(facts_models.stem.checkpoint),
+                                     "--edits", str(spec), "--prompt", "the capital of"])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and err.startswith("error: ") and "\n" not in err and message in err, err
+    proc = subprocess.run([sys.executable, str(ROOT / "tools/edit_knowledge.py"), "--hf",
+                           str(tmp_path / "nope"), "--edits", str(spec), "--prompt", "x"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith(f"error: {spec}: not valid YAML")

@@ -45,19 +45,22 @@ def _show_edits(remaps, injects, tokenizer) -> None:
 
 
 def run(args) -> None:
+    # Spec files first: a typo should fail before minutes of model loading.
+    eval_spec = load_eval_spec(args.eval) if args.eval else None
+    edits = load_edits(args.edits) if args.edits else None
     with open_backend(args.checkpoint, args.hf) as backend:
         tokenizer = open_tokenizer(backend, args.tokenizer, args.tokenizer_type)
         print(f"model: {backend.source} ({backend.kind}, STEM layers "
               f"{backend.stem_layers or 'none'})")
-        if args.eval:
-            report = evaluate(backend, tokenizer, load_eval_spec(args.eval), args.eval)
+        if eval_spec is not None:
+            report = evaluate(backend, tokenizer, eval_spec, args.eval)
             print(format_report(report))
             if args.json:
                 Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
                 print(f"wrote {args.json}")
-        if not args.edits:
+        if edits is None:
             return
-        remaps, injects = resolve(load_edits(args.edits), tokenizer, backend.config, args.edits)
+        remaps, injects = resolve(edits, tokenizer, backend.config, args.edits)
         _show_edits(remaps, injects, tokenizer)
         prompts = [tokenizer.encode(p) for p in args.prompt]
         before = forward.next_token_logprobs(backend, prompts) if prompts else None
