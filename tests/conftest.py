@@ -113,3 +113,21 @@ def hf_tokenizer(tmp_path_factory, corpus_texts) -> str:
     folder = tmp_path_factory.mktemp("hf")
     tok.save(str(folder / "tokenizer.json"))
     return str(folder)
+
+
+# --- knowledge editing and analysis: tiny STEM and dense models that learned facts, once ---
+
+
+@pytest.fixture(scope="session")
+def facts_models(world1, tmp_path_factory):
+    """`workers/facts.py`'s STEM model and dense control, trained in this process and
+    saved as checkpoints whose recipes name the word-level tokenizer (about a minute)."""
+    from types import SimpleNamespace
+
+    from workers import facts
+
+    root = tmp_path_factory.mktemp("facts")
+    tokenizer = facts.write_tokenizer(root / "tokenizer")
+    stem = facts.train(root / "stem", tokenizer, facts.STEM_LAYERS)
+    dense = facts.train(root / "dense", tokenizer, "none")
+    return SimpleNamespace(root=root, tokenizer=tokenizer, stem=stem, dense=dense)

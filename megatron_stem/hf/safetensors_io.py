@@ -139,6 +139,14 @@ class ShardedReader:
     def names(self) -> set[str]:
         return set(self._file_of)
 
+    def file_of(self, name: str) -> str:
+        """The file (in the folder) that holds tensor `name`."""
+        return self._file_of[name]
+
+    def names_in(self, file: str) -> list[str]:
+        """The tensors of one file, in its own order."""
+        return list(self._handles[file].keys())
+
     def entry(self, name: str) -> Entry:
         view = self._handles[self._file_of[name]].get_slice(name)
         return Entry(name, tuple(view.get_shape()), _DTYPES[view.get_dtype()])

@@ -7,6 +7,13 @@ with grouped-query attention, SwiGLU), so exported logits match the training mod
 A STEM layer's FFN is `down( silu(gate(x)) * table[token_id] )`: the table row of the
 *input* token at each position replaces the up-projection. During cached decoding the
 positions of a forward are exactly the new tokens, so `input_ids` is all the lookup needs.
+
+`stem_ids` (optional, as in the megatron model) are the ids the STEM layers look up instead
+of `input_ids`, with the text unchanged (knowledge editing): [b, S] for every STEM layer,
+or [num_hidden_layers, b, S] with one row per layer. S counts positions from the start of
+the sequence, so `generate(..., stem_ids=...)` can pass ids for the prompt once: each
+forward reads the columns of its own positions, and positions past S (generated tokens)
+read their own rows.
 """
 
 import contextlib
@@ -101,7 +108,7 @@ class StemDenseMLP(nn.Module):
         self.up_proj = nn.Linear(d, ff, bias=False)
         self.down_proj = nn.Linear(ff, d, bias=False)
 
-    def forward(self, x, input_ids):
+    def forward(self, x, lookup_ids):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -255,9 +262,9 @@ class StemTableMLP(nn.Module):
         self.table = StemTable(config)
         self.down_proj = nn.Linear(ff, d, bias=False)
 
-    def forward(self, x, input_ids):
+    def forward(self, x, lookup_ids):
         gate = self.gate_proj(x)
-        return self.down_proj(F.silu(gate) * self.table(input_ids, gate.device))
+        return self.down_proj(F.silu(gate) * self.table(lookup_ids, gate.device))
 
 
 class StemDecoderLayer(nn.Module):
@@ -269,9 +276,9 @@ class StemDecoderLayer(nn.Module):
         self.mlp = StemTableMLP(config) if layer_idx in config.stem_layers \
             else StemDenseMLP(config)
 
-    def forward(self, x, input_ids, cos, sin, mask, cache):
+    def forward(self, x, lookup_ids, cos, sin, mask, cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x), input_ids)
+        return x + self.mlp(self.post_attention_layernorm(x), lookup_ids)
 
 
 class StemPreTrainedModel(PreTrainedModel):
@@ -309,6 +316,28 @@ def _attention_mask(attention_mask: Optional[torch.Tensor], batch: int, q_len: i
     return mask
 
 
+def _lookup_ids(stem_ids: Optional[torch.Tensor], input_ids: torch.Tensor, past: int,
+                num_layers: int) -> torch.Tensor:
+    """The ids STEM layers look up at the positions [past, past + s) of this forward:
+    `input_ids` [b, s], or the matching columns of `stem_ids` ([b, S] or [layers, b, S],
+    counted from the sequence start); positions past S read their own ids."""
+    if stem_ids is None:
+        return input_ids
+    if stem_ids.dim() not in (2, 3) or stem_ids.shape[-2] != input_ids.shape[0] or (
+            stem_ids.dim() == 3 and stem_ids.shape[0] != num_layers):
+        raise ValueError(f"stem_ids must be [batch, seq] or [num_hidden_layers={num_layers}, "
+                         f"batch, seq] for input_ids {tuple(input_ids.shape)}, got "
+                         f"{tuple(stem_ids.shape)}")
+    s = input_ids.shape[1]
+    window = stem_ids[..., past:past + s].to(input_ids.device)
+    if window.shape[-1] == s:
+        return window
+    own = input_ids[:, window.shape[-1]:]
+    if stem_ids.dim() == 3:
+        own = own.expand(num_layers, *own.shape)
+    return torch.cat([window, own], dim=-1)
+
+
 class StemModel(StemPreTrainedModel):
     def __init__(self, config: StemConfig):
         super().__init__(config)
@@ -332,7 +361,8 @@ class StemModel(StemPreTrainedModel):
         self.embed_tokens = value
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
-                inputs_embeds=None, use_cache=None, past_key_values=None, **kwargs):
+                inputs_embeds=None, use_cache=None, past_key_values=None, stem_ids=None,
+                **kwargs):
         cache = cache if cache is not None else past_key_values
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
@@ -350,8 +380,11 @@ class StemModel(StemPreTrainedModel):
             position_ids = torch.arange(past, past + s, device=x.device)[None].expand(b, s)
         cos, sin = rotary_cos_sin(self.config, position_ids, x.dtype)
         mask = _attention_mask(attention_mask, b, s, past, x.device)
-        for layer in self.layers:
-            x = layer(x, input_ids, cos, sin, mask, cache if use_cache else None)
+        lookup = _lookup_ids(stem_ids, input_ids, past, len(self.layers)) \
+            if input_ids is not None else None
+        for i, layer in enumerate(self.layers):
+            ids = lookup[i] if lookup is not None and lookup.dim() == 3 else lookup
+            x = layer(x, ids, cos, sin, mask, cache if use_cache else None)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(x),
                                        **{_CACHE_FIELD: cache if use_cache else None})
 
@@ -379,11 +412,11 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
-                past_key_values=None, **kwargs):
+                past_key_values=None, stem_ids=None, **kwargs):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, inputs_embeds=inputs_embeds,
                          cache=cache if cache is not None else past_key_values,
-                         use_cache=use_cache)
+                         use_cache=use_cache, stem_ids=stem_ids)
         hidden = out.last_hidden_state
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             hidden = hidden[:, -logits_to_keep:]
