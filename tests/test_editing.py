@@ -444,7 +444,7 @@ def test_cli_user_errors_are_one_line(facts_models, tmp_path, capsys):
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from conftest import ROOT, subprocess_env
 
     spec = tmp_path / "edits.yaml"
     cases = [("- {source: Spain, target: Germany, strategy: stretch}\n",
@@ -461,7 +461,7 @@ def test_cli_user_errors_are_one_line(facts_models, tmp_path, capsys):
     proc = subprocess.run([sys.executable, str(ROOT / "tools/edit_knowledge.py"), "--hf",
                            str(tmp_path / "nope"), "--edits", str(spec), "--prompt", "x"],
                           capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                          env=subprocess_env(PYTHONWARNINGS="ignore"))
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith(f"error: {spec}: not valid YAML")
 
