@@ -15,7 +15,7 @@ import torch
 from megatron_stem.editing import forward
 from megatron_stem.editing.backend import HFBackend, MegatronBackend, open_tokenizer
 from megatron_stem.editing.evaluate import EvalSpec, Fact, evaluate, format_report
-from megatron_stem.editing.inject import apply_writes, inject_writes, written
+from megatron_stem.editing.inject import inject_writes, written
 from megatron_stem.editing.remap import (TokenRemap, bake_writes, build_stem_ids,
                                          find_occurrences, span_plan)
 from megatron_stem.editing.resolve import resolve
@@ -155,7 +155,7 @@ def reports(stem, dense, tok):
     return out
 
 
-def test_both_models_learned_every_fact(reports, stem, dense, tok):
+def test_both_models_learned_every_fact(stem, dense, tok):
     for backend in (stem, dense):
         for template in (0, 1):
             prompts = [tok.encode(facts.prompt(x, template)) for x, _ in facts.CAPITALS]

@@ -35,16 +35,19 @@ def up_projection_vectors(backend, ids: Sequence[int],
     into independent windows of the model's sequence length. Only windows holding a
     wanted position run, and only the wanted rows are kept."""
     s = backend.config.seq_length
-    windows = sorted({p // s for p in positions})
+    wanted: dict[int, list[int]] = {}  # window -> its wanted positions
+    for p in positions:
+        wanted.setdefault(p // s, []).append(p)
+    windows = sorted(wanted)
     out: dict[int, dict[int, torch.Tensor]] = {}
     for start in range(0, len(windows), _WINDOWS_PER_FORWARD):
         group = windows[start:start + _WINDOWS_PER_FORWARD]
         batch, _ = pad_batch([ids[w * s:(w + 1) * s] for w in group])
         for layer, up in backend.up_projections(batch).items():
+            rows = out.setdefault(layer, {})
             for row, w in enumerate(group):
-                for p in positions:
-                    if p // s == w:
-                        out.setdefault(layer, {})[p] = up[row, p % s]
+                for p in wanted[w]:
+                    rows[p] = up[row, p % s]
     return {layer: torch.stack([rows[p] for p in positions]) for layer, rows in out.items()}
 
 

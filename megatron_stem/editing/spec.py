@@ -32,7 +32,6 @@ from megatron_stem.errors import ConfigError, UserError
 # Text (encoded with the model's tokenizer, no special tokens added) or explicit token ids.
 Tokens = Union[str, list[int]]
 Strategy = Literal["one_to_one", "pad_left", "pad_right", "copy", "subset", "average"]
-STRATEGIES = list(Strategy.__args__)
 
 
 @dataclass
