@@ -212,7 +212,7 @@ class HostRowStager:
             vocab, width = tables[0].weight.shape
             self.cache = RowCache(vocab, min(self.cache_rows, vocab),
                                   [t.weight.shape[1] for t in tables], tables[0].weight.dtype,
-                                  devices, decay=0.99)
+                                  devices)
             self._key = key
             for device in devices:  # zero-filled on the compute stream, written on ours
                 if device.type == "cuda":
