@@ -29,10 +29,10 @@ Ordering guarantee (an update must land before its row is staged again):
 * `stage()` for the next step is refused between `take_row_grads()` (the step's gradients
   were taken) and `rows_changed()`, which `TableOptimizer.step()` calls after every owner
   of a shared copy has written its rows (a barrier over the copy's ranks).
-* Within a step the worker only runs what `stage()` and `rows_changed()` queued, in order,
-  on one thread (and one CUDA stream): the cache refresh after step k runs before the
-  first gather of step k+1, and nothing reads a table while `step()` writes it (`step()`
-  checks that the worker is idle).
+* The worker only runs what `stage()` and `rows_changed()` queued, in order, on one
+  thread (and one CUDA stream): the cache refresh after step k runs before the first
+  gather of step k+1, and nothing reads a table while `step()` writes it (`step()` first
+  waits until the worker is idle).
 So every micro-batch of step k+1 sees every update of step k, and no micro-batch of step
 k sees an update of step k (gradient accumulation reads one version of the tables).
 """

@@ -209,7 +209,7 @@ class HostRowStager:
             return None
         key = (tuple(devices), tuple((t.weight.dtype, t.weight._version) for t in tables))
         if key != self._key:  # first use, moved, cast or edited: start over
-            vocab, width = tables[0].weight.shape
+            vocab = tables[0].weight.shape[0]
             self.cache = RowCache(vocab, min(self.cache_rows, vocab),
                                   [t.weight.shape[1] for t in tables], tables[0].weight.dtype,
                                   devices)
