@@ -286,6 +286,30 @@ class TableOptimConfig:
     weight_decay: float = 0.1
     # "deepspeed": DeepSpeed's CPU Adam kernel (JIT-built once); "torch": same math in torch.
     kernel: Literal["deepspeed", "torch"] = "deepspeed"
+    # Where the tables live (training/host_tables.py). "device": on the accelerator, one
+    # replica per rank. "host": in CPU memory, one copy per node shared by its ranks; each
+    # micro-batch's rows are gathered and copied to the accelerator one micro-batch ahead.
+    placement: Literal["device", "host"] = "device"
+    # host: rows per table kept on the accelerator for the most frequent ids (LFU with
+    # aging); 0 = no cache.
+    cache_rows: int = 0
+    # host: threads gathering rows into the staging buffer.
+    gather_threads: int = 4
+    # host: data-parallel ranks sharing one host copy (they split its optimizer work by
+    # rows); 0 = all of a node's ranks of the same tensor-parallel slice.
+    ranks_per_copy: int = 0
+
+    def validate(self) -> None:
+        for name in ("cache_rows", "ranks_per_copy"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.gather_threads < 1:
+            raise ConfigError(f"gather_threads: must be >= 1, got {self.gather_threads}")
+        if self.placement == "device":
+            for name in ("cache_rows", "ranks_per_copy"):
+                if getattr(self, name):
+                    raise ConfigError(f"{name}: needs placement: host (device-resident "
+                                      "tables have every row in place on every rank)")
 
 
 @dataclass
@@ -301,6 +325,9 @@ class TrainConfig:
     save_interval: int = 1000
     keep_last: int = 3
     save_dir: str = "runs/default"
+    # A checkpoint whose model weights start a new run (another run's iter_N, or the
+    # output of tools/from_hf.py). Ignored once save_dir holds a checkpoint to resume.
+    init_from: Optional[str] = None
     # Peak dense bf16 FLOP/s of one accelerator, for MFU (H100/H200 SXM: 989e12).
     peak_flops: float = 989e12
 
@@ -327,6 +354,9 @@ class Recipe:
 
     def validate(self) -> None:
         self.parallel.check_model(self.model)
+        if self.tables.cache_rows > self.model.vocab_size:
+            raise ConfigError(f"tables.cache_rows: {self.tables.cache_rows} rows exceed "
+                              f"model.vocab_size={self.model.vocab_size}")
 
 
 def _read_yaml(path: Path, chain: tuple = ()) -> dict:

@@ -12,7 +12,8 @@ patches exactly those, once, and nothing is done at all where CUDA is available:
   (`transformer_config_overrides`).
 * A few entry points create tensors with a literal `device="cuda"` (the pipeline
   schedules' token counters, dist-checkpointing exchanges): they run under
-  `CudaToCpuMode`, which rewrites that argument. Only those entry points, so the
+  `CudaToCpuMode`, which rewrites that argument (and makes `.cuda()` a no-op: tied
+  embeddings under PP). Only those entry points, so the
   per-op cost of a function mode stays out of everything else.
 * One intra-op thread per rank: with several ranks on few cores, oversubscribed OpenMP
   threads make tiny models 5-20x slower.
@@ -59,9 +60,11 @@ def _is_cuda(device) -> bool:
 
 
 class CudaToCpuMode(TorchFunctionMode):
-    """Redirect `device="cuda"` arguments of torch calls to the CPU."""
+    """Redirect `device="cuda"` arguments of torch calls to the CPU; `.cuda()` is a no-op."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.cuda:
+            return args[0]
         kwargs = kwargs or {}
         if _is_cuda(kwargs.get("device")):
             kwargs = {**kwargs, "device": "cpu"}
@@ -79,6 +82,7 @@ def _on_cpu(fn):
 
 def _run_entry_points_on_cpu() -> None:
     from megatron.core import dist_checkpointing
+    from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.pipeline_parallel import schedules
 
     for module, names in (
@@ -86,6 +90,8 @@ def _run_entry_points_on_cpu() -> None:
                      "forward_backward_pipelining_without_interleaving",
                      "forward_backward_pipelining_with_interleaving")),
         (dist_checkpointing, ("save", "load")),
+        # Tied embeddings under PP: the last stage's copy is synced with `.data.cuda()`.
+        (LanguageModule, ("setup_embeddings_and_output_layer",)),
     ):
         for name in names:
             setattr(module, name, _on_cpu(getattr(module, name)))

@@ -45,6 +45,8 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234,
     rank = _env_int("RANK", "SLURM_PROCID", default=0)
     world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
     local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+    # DeepSpeed reads these itself (and tries MPI discovery without them).
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
     if not dist.is_initialized():
         if world == 1:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -30,6 +30,8 @@ from megatron_stem.training.engine import build_engine, clip_coefficient
 from megatron_stem.training.lr import lr_at
 from megatron_stem.training.metrics import Metrics, memory_gb
 from megatron_stem.training.state import (
+    OPTIM,
+    TRAIN_STATE,
     load_optimizers,
     load_train_state,
     save_optimizers,
@@ -71,7 +73,10 @@ def _token_mean_loss(model_or_engine, batch: dict) -> torch.Tensor:
 def train_step(engine, tables, microbatches: list[dict]) -> float:
     """Forward/backward every micro-batch, then the engine's (dense) optimizer step.
     The tables' gradients are synced at the accumulation boundary, before the engine
-    computes the global grad norm that includes them."""
+    computes the global grad norm that includes them. Host-resident tables are handed the
+    step's micro-batches first (their rows are staged one micro-batch ahead); the caller
+    runs `tables.step()` before the next `train_step`, so its updates land first."""
+    tables.stage(microbatches)
     total = 0.0
     for batch in microbatches:
         loss = _token_mean_loss(engine, batch)
@@ -84,7 +89,9 @@ def train_step(engine, tables, microbatches: list[dict]) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, microbatches: list[dict]) -> float:
+def evaluate(model, microbatches: list[dict], tables=None) -> float:
+    if tables is not None:
+        tables.stage(microbatches, requires_grad=False)
     model.eval()
     loss = sum(_token_mean_loss(model, b).item() for b in microbatches) / len(microbatches)
     model.train()
@@ -100,6 +107,13 @@ def _load_tokenizer(recipe: Recipe):
             f"data.tokenizer_model: {recipe.data.tokenizer_model} has {tokenizer.vocab_size} "
             f"tokens but model.vocab_size is {recipe.model.vocab_size}")
     return tokenizer
+
+
+def _check_resumable(ckpt: Path) -> None:
+    if not (ckpt / OPTIM).is_dir() or not (ckpt / TRAIN_STATE).is_file():
+        raise UserError(f"{ckpt}: holds model weights only (an import or an export source), "
+                        "not a run to resume: start a new run from it with "
+                        f"train.init_from={ckpt} and another train.save_dir")
 
 
 def _save(save_dir, step, recipe, model, engine, tables) -> None:
@@ -127,15 +141,21 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     # which would then hang every later run sharing that cache).
     preemption = Preemption()
     init_distributed(recipe.parallel, seed=train.seed)
+    tables = None
     try:
         save_dir = Path(train.save_dir)
         rank0 = dist.get_rank() == 0
         ckpt = checkpoint.latest(save_dir)
-        model = build_model(recipe.model, recipe.parallel, seed=train.seed)
+        init = checkpoint.resolve(train.init_from) if ckpt is None and train.init_from else None
+        model = build_model(recipe.model, recipe.parallel, seed=train.seed,
+                            tables=recipe.tables)
         step = 0
         if ckpt is not None:
-            checkpoint.check_same_shape(checkpoint.read_recipe(ckpt), recipe, ckpt)
-            checkpoint.load_model(model, ckpt)
+            _check_resumable(ckpt)
+        for source in filter(None, (ckpt, init)):
+            checkpoint.check_same_shape(checkpoint.read_recipe(source), recipe, source)
+            checkpoint.load_model(model, source)
+        if ckpt is not None:
             step = load_train_state(ckpt)["step"]
         engine, tables, norms = build_engine(model, recipe)
         if ckpt is not None:
@@ -154,9 +174,10 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
         # checkpoint go, the checkpoint step's own stay (TensorBoard drops step >= purge_step).
         metrics = Metrics(str(save_dir / "tensorboard"), enabled=rank0, purge_step=step + 1)
         if rank0:
+            origin = (f"resuming from {ckpt}" if ckpt else
+                      f"initialized from {init}" if init else "from scratch")
             print(f"model: {account(recipe.model).summary()} | world {dist.get_world_size()}"
-                  f" = TP {recipe.parallel.tensor_parallel} x DP {dp} | "
-                  f"{'resuming from ' + str(ckpt) if ckpt else 'from scratch'}", flush=True)
+                  f" = TP {recipe.parallel.tensor_parallel} x DP {dp} | {origin}", flush=True)
 
         result = {"losses": [], "valid": [], "step": step, "preempted": False}
         tokens_per_step = train.global_batch_size * recipe.model.seq_length
@@ -186,13 +207,20 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
                     scalars["throughput/mfu"] = tok_s * flops_per_token / (
                         train.peak_flops * dist.get_world_size())
                     mfu = f" | MFU {scalars['throughput/mfu']:.1%}"
+                host = tables.host_stats()  # per-step averages since the last log
+                scalars.update({f"tables/{k}": v for k, v in host.items()})
+                if host:
+                    hits = f", cache hits {host['cache_hit_rate']:.1%}" \
+                        if "cache_hit_rate" in host else ""
+                    mfu += (f" | prefetch wait {host['prefetch_wait_ms']:.1f} ms, "
+                            f"h2d {host['h2d_bytes'] / 2**20:.1f} MB{hits}")
                 metrics.log(step, scalars,
                             f"step {step}/{train.steps} | loss {loss:.4f} | lr {lr:.2e} | grad "
                             f"{norms.total:.3f} (backbone {norms.backbone:.3f}, tables "
                             f"{norms.tables:.3f}) | rows {tables.touched_rows} | "
                             f"{tok_s:,.0f} tok/s{mfu} | mem {memory_gb():.2f} GB")
             if step % train.eval_interval == 0 or step == train.steps:
-                val = evaluate(model, valid)
+                val = evaluate(model, valid, tables)
                 result["valid"].append(val)
                 metrics.log(step, {"valid/loss": val, "valid/ppl": math.exp(min(val, 50))},
                             f"step {step} | valid loss {val:.4f} | ppl {math.exp(min(val, 50)):.2f}")
@@ -209,6 +237,8 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
         metrics.close()
         return result
     finally:
+        if tables is not None:
+            tables.close()  # the host tables' staging threads
         destroy_distributed()
 
 

@@ -17,11 +17,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Set in this process by init_distributed (the world1 fixture): a child must not inherit
+# them, or it joins (or collides with) this process's rendezvous.
+_DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def subprocess_env(**extra: str) -> dict:
+    """This process's environment for a child process, minus its distributed identity."""
+    env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_ENV}
+    env.update(extra)
+    return env
+
+
 def torchrun(nproc: int, script: str, *args: str, timeout: int = 600) -> str:
     """Run tests/workers/<script> under torchrun with `nproc` gloo ranks; fail with its log."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={_free_port()}", str(WORKERS / script), *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = subprocess_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, cwd=WORKERS, env=env, capture_output=True, text=True,
                           timeout=timeout)
     if proc.returncode:
@@ -52,3 +64,70 @@ def world1():
     init_distributed(ParallelConfig(), seed=1234)
     yield
     destroy_distributed()
+
+
+# --- data preparation: a real English corpus and tokenizers built from it, once per run ---
+
+CORPUS = ROOT / "data_corpus" / "gcide.jsonl.gz"
+# Characters the dictionary lacks, so UTF-8 beyond ASCII (and byte fallback) is exercised.
+UNICODE_DOCS = ["naïve café, déjà vu — über 東京 🚀", "Ωmega ≤ ∞ ½",
+                "  leading  and trailing spaces\n\n ", "tabs\tand\nnewlines\r\nkept"]
+
+
+@pytest.fixture(scope="session")
+def corpus_texts() -> list[str]:
+    """The first 1,500 documents of the shipped GCIDE corpus, plus a few non-ASCII ones."""
+    import gzip
+    import json
+    import itertools
+
+    with gzip.open(CORPUS) as f:
+        texts = [json.loads(line)["text"] for line in itertools.islice(f, 1500)]
+    return texts + UNICODE_DOCS
+
+
+@pytest.fixture(scope="session")
+def sp_model(tmp_path_factory) -> str:
+    """A 1,000-piece SentencePiece model trained (by our trainer) on the shipped corpus."""
+    from megatron_stem.data.tokenizer_training import (TokenizerTrainingConfig,
+                                                       train_sentencepiece)
+
+    prefix = tmp_path_factory.mktemp("sp") / "gcide"
+    info = train_sentencepiece(TokenizerTrainingConfig(
+        inputs=[str(CORPUS)], output_prefix=str(prefix), vocab_size=1000, max_docs=3000,
+        threads=2), log=None)
+    return info["model"]
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(tmp_path_factory, corpus_texts) -> str:
+    """A folder with a small byte-level BPE tokenizer.json (Hugging Face `tokenizers`)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus_texts, trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|endoftext|>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    folder = tmp_path_factory.mktemp("hf")
+    tok.save(str(folder / "tokenizer.json"))
+    return str(folder)
+
+
+# --- knowledge editing and analysis: tiny STEM and dense models that learned facts, once ---
+
+
+@pytest.fixture(scope="session")
+def facts_models(world1, tmp_path_factory):
+    """`workers/facts.py`'s STEM model and dense control, trained in this process and
+    saved as checkpoints whose recipes name the word-level tokenizer (about a minute)."""
+    from types import SimpleNamespace
+
+    from workers import facts
+
+    root = tmp_path_factory.mktemp("facts")
+    tokenizer = facts.write_tokenizer(root / "tokenizer")
+    stem = facts.train(root / "stem", tokenizer, facts.STEM_LAYERS)
+    dense = facts.train(root / "dense", tokenizer, "none")
+    return SimpleNamespace(root=root, tokenizer=tokenizer, stem=stem, dense=dense)

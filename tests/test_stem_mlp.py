@@ -73,3 +73,22 @@ def test_table_init_is_xavier_normal_and_independent_of_tp_size():
     assert full.std().item() == pytest.approx(math.sqrt(2 / (vocab + width)), rel=0.02)
     other_seed = xavier_normal_table_(torch.empty(vocab, width), width, 0, seed=8)
     assert not torch.equal(other_seed, full)
+
+
+def test_stem_ids_remap_lookups_like_swapping_table_rows(world1):
+    """Reading token Z's rows at X's positions == copying U[Z] into U[X] (text unchanged),
+    and a per-layer id tensor reaches only the chosen layer."""
+    torch.manual_seed(0)
+    model = build_model(tiny_model([1, 3]), ParallelConfig()).eval()
+    ids = torch.randint(0, 300, (2, 32))
+    x, z = int(ids[0, 5]), 7
+    remapped = torch.where(ids == x, z, ids)
+    per_layer = torch.stack([ids, ids, ids, remapped])  # edit layer 3 only
+    with torch.no_grad():
+        plain = model(ids)
+        assert torch.equal(model(ids, stem_ids=ids), plain)
+        edited = model(ids, stem_ids=per_layer)
+        assert not torch.allclose(edited, plain)
+        table = model.decoder.layers[3].mlp.table.weight
+        table[x] = table[z]
+        torch.testing.assert_close(model(ids), edited)

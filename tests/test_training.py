@@ -13,7 +13,7 @@ import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from conftest import ROOT, torchrun
+from conftest import ROOT, subprocess_env, torchrun
 
 
 @pytest.fixture(scope="module")
@@ -102,14 +102,72 @@ def test_checkpoint_saved_at_tp2_resumes_at_tp1(train, reference, tmp_path):
     assert_same_curve(first["losses"] + second["losses"], reference["lazy"]["losses"])
 
 
+def test_host_tables_two_ranks_one_copy_killed_and_resumed(train, reference, tmp_path):
+    """tables.placement=host: 2 DP ranks share one host copy (each updates the rows it
+    owns), with a hot-row cache and activation recompute; killed at step 3 and resumed,
+    the curve is the device-resident single-rank one. The host metrics are logged."""
+    host = ["tables.placement=host", "tables.cache_rows=64", "parallel.recompute=full"]
+    first = train(2, *host, save_dir=tmp_path, preempt_at=3, name="host_lazy")
+    second = train(2, *host, save_dir=tmp_path, name="host_lazy_resumed")
+    assert first["step"] == 3 and second["step"] == 6
+    assert_same_curve(first["losses"] + second["losses"], reference["lazy"]["losses"])
+    log = tensorboard_scalars(tmp_path / "tensorboard")
+    for tag in ("tables/prefetch_wait_ms", "tables/h2d_bytes", "tables/cache_hit_rate"):
+        assert sorted(log[tag]) == list(range(1, 7)), tag
+    assert all(v > 0 for v in log["tables/h2d_bytes"].values())
+    # Each run starts with an empty cache, then hot rows hit.
+    assert log["tables/cache_hit_rate"][1] == log["tables/cache_hit_rate"][4] == 0
+    assert all(0 < log["tables/cache_hit_rate"][s] < 1 for s in (2, 3, 5, 6))
+
+
+def tensorboard_scalars(folder) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} over every event file in `folder` (a resumed run adds one)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    out = {}
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                out.setdefault(value.tag, {})[event.step] = value.tensor.float_val[0]
+    return out
+
+
+def test_host_tables_dense_update_matches_device(train, reference):
+    result = train(1, "tables.update=dense", "tables.placement=host", "tables.cache_rows=32",
+                   "optimizer.zero_stage=2", name="host_dense")
+    assert_same_curve(result["losses"], reference["dense"]["losses"])
+
+
 def test_cli_reports_missing_data_in_one_line(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("inherit: " + str(ROOT / "recipes" / "tiny_cpu.yaml") +
                       "\ndata: {prefixes: [" + str(tmp_path / "nothing") + "]}\n")
     proc = subprocess.run([sys.executable, "-m", "megatron_stem.train", "--recipe", str(recipe)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=subprocess_env())
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == \
         f"error: data.prefixes: {tmp_path / 'nothing'}.bin not found (give the path without " \
         ".bin/.idx, as written by preprocess_data.py)"
     assert "Traceback" not in proc.stderr
+
+
+def test_init_from_starts_a_new_run_from_trained_weights(train, reference, tmp_path):
+    trained = tmp_path / "trained"
+    train(1, save_dir=trained, name="to_init_from")
+    fresh = train(1, f"train.init_from={trained / 'iter_0000006'}", name="init_from")
+    assert fresh["step"] == 6 and len(fresh["losses"]) == 6  # a new run: step 0 again
+    assert fresh["losses"][0] < reference["lazy"]["losses"][0] - 0.1
+
+
+def test_resuming_a_weights_only_checkpoint_is_a_clear_error(world1, tmp_path):
+    from megatron_stem import checkpoint, train as trainer
+    from megatron_stem.config import ParallelConfig, Recipe
+    from megatron_stem.errors import UserError
+    from megatron_stem.model import build_model
+    from workers.common import tiny_model
+
+    recipe = Recipe(model=tiny_model())
+    with checkpoint.Writer(tmp_path, 0, recipe) as folder:
+        checkpoint.save_model(build_model(recipe.model, ParallelConfig()), folder)
+    with pytest.raises(UserError, match="holds model weights only .* train.init_from="):
+        trainer._check_resumable(checkpoint.latest(tmp_path))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -11,8 +12,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_stem import cpu_compat
-from megatron_stem.config import ModelConfig, ParallelConfig
+from megatron_stem.config import ModelConfig, ParallelConfig, TableOptimConfig
+from megatron_stem.model.host_copy import HostCopy
 from megatron_stem.model.spec import block_spec
+from megatron_stem.model.table import StemTable
 
 
 class StemGPTModel(GPTModel):
@@ -29,16 +32,26 @@ class StemGPTModel(GPTModel):
     would read it as a padding mask, are not part of this model.
 
     Consequence for callers: pass `input_ids` on every pipeline stage, not only the first.
+
+    `stem_ids` (optional) are the ids the STEM layers look up instead of `input_ids`, with
+    the text unchanged: [b, s] for every STEM layer, or [num_layers, b, s] with one row per
+    (global) layer, so an edit can reach chosen layers only (knowledge editing).
     """
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, *args,
+                stem_ids=None, **kwargs):
+        if kwargs.get("padding_mask") is not None:
+            raise ValueError("StemGPTModel uses the padding_mask slot for token ids; "
+                             "padding masks are not supported")
+        kwargs["padding_mask"] = stem_ids  # _preprocess falls back to input_ids
+        return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
 
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
                     packed_seq_params=None, padding_mask=None):
-        if padding_mask is not None:
-            raise ValueError("StemGPTModel uses the padding_mask slot for token ids; "
-                             "padding masks are not supported")
+        stem_ids = input_ids if padding_mask is None else padding_mask
         out = super()._preprocess(input_ids, position_ids, decoder_input, inference_context,
                                   packed_seq_params, padding_mask=None)
-        return (*out[:5], input_ids, *out[6:])
+        return (*out[:5], stem_ids, *out[6:])
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig,
@@ -77,13 +90,16 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig,
 
 
 def build_model(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234,
-                params_dtype: torch.dtype = torch.float32) -> StemGPTModel:
-    """This rank's part of the model (its TP shard of its pipeline stage)."""
+                params_dtype: torch.dtype = torch.float32,
+                tables: Optional[TableOptimConfig] = None) -> StemGPTModel:
+    """This rank's part of the model (its TP shard of its pipeline stage). With
+    `tables.placement: host` the STEM tables go to host memory shared per node."""
     config = transformer_config(model, parallel, params_dtype)
+    placement = tables.placement if tables is not None else "device"
     _quiet_unknown_mlp_warning()
     net = StemGPTModel(
         config=config,
-        transformer_layer_spec=block_spec(model, config, seed),
+        transformer_layer_spec=block_spec(model, config, seed, table_placement=placement),
         vocab_size=model.padded_vocab_size,
         max_sequence_length=model.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -92,9 +108,24 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234,
         position_embedding_type="rope",
         rotary_base=int(model.rotary_base),
     )
+    if placement == "host":
+        place_tables_on_host(net, tables.ranks_per_copy)
     if torch.cuda.is_available():
         net.cuda(torch.cuda.current_device())
     return net
+
+
+def place_tables_on_host(net: torch.nn.Module, ranks_per_copy: int = 0) -> HostCopy:
+    """Allocate every host-placed STEM table in memory shared by its copy's ranks, with its
+    initial values (written once per copy)."""
+    copy = HostCopy(ranks_per_copy)
+    for name, module in net.named_modules():
+        if isinstance(module, StemTable) and module.placement == "host":
+            init = module.init_table_ if module.perform_initialization else None
+            module.set_host_weight(copy.tensor(f"{name}.weight", tuple(module.weight.shape),
+                                               init))
+            module.host_copy = copy
+    return copy
 
 
 class _DropUnknownStemMLP(logging.Filter):

@@ -37,10 +37,11 @@ def dense_mlp_spec() -> ModuleSpec:
         linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
 
 
-def stem_mlp_spec(vocab_size: int, seed: int) -> ModuleSpec:
+def stem_mlp_spec(vocab_size: int, seed: int, table_placement: str = "device") -> ModuleSpec:
     return ModuleSpec(
         module=StemMLP,
-        params={"vocab_size": vocab_size, "table_seed": seed},
+        params={"vocab_size": vocab_size, "table_seed": seed,
+                "table_placement": table_placement},
         submodules=StemMLPSubmodules(
             linear_gate=ColumnParallelLinear, table=StemTable, linear_down=RowParallelLinear))
 
@@ -64,14 +65,16 @@ def layer_spec(mlp: ModuleSpec) -> ModuleSpec:
 
 
 def block_spec(model: ModelConfig, config: TransformerConfig, seed: int,
-               pp_rank: int | None = None) -> TransformerBlockSubmodules:
-    """Specs of the layers held by pipeline stage `pp_rank` (default: this rank's)."""
+               pp_rank: int | None = None,
+               table_placement: str = "device") -> TransformerBlockSubmodules:
+    """Specs of the layers held by pipeline stage `pp_rank` (default: this rank's);
+    `table_placement` as `tables.placement`."""
     first = get_transformer_layer_offset(config, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, pp_rank=pp_rank)
     stem = set(model.stem_layer_indices)
     specs = [
-        layer_spec(stem_mlp_spec(model.vocab_size, table_seed(seed, i)) if i in stem
-                   else dense_mlp_spec())
+        layer_spec(stem_mlp_spec(model.vocab_size, table_seed(seed, i), table_placement)
+                   if i in stem else dense_mlp_spec())
         for i in range(first, first + count)
     ]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)

@@ -32,7 +32,8 @@ class StemMLP(MegatronModule):
 
     def __init__(self, config: TransformerConfig, submodules: StemMLPSubmodules,
                  vocab_size: int, table_seed: int,
-                 tp_group: Optional[torch.distributed.ProcessGroup] = None):
+                 tp_group: Optional[torch.distributed.ProcessGroup] = None,
+                 table_placement: str = "device"):
         super().__init__(config=config)
         tp_group = get_tensor_model_parallel_group_if_none(tp_group)
         linear_args = dict(config=config, bias=False, skip_bias_add=True, is_expert=False,
@@ -43,19 +44,26 @@ class StemMLP(MegatronModule):
             tp_comm_buffer_name="fc1", **linear_args)
         self.table = build_module(
             submodules.table, config=config, num_embeddings=vocab_size,
-            ffn_hidden_size=config.ffn_hidden_size, init_seed=table_seed, tp_group=tp_group)
+            ffn_hidden_size=config.ffn_hidden_size, init_seed=table_seed, tp_group=tp_group,
+            placement=table_placement)
         self.linear_down = build_module(
             submodules.linear_down, config.ffn_hidden_size, config.hidden_size,
             init_method=config.output_layer_init_method, input_is_parallel=True,
             tp_comm_buffer_name="fc2", **linear_args)
+        self.layer_number = None  # 1-based global index, set by TransformerLayer
+
+    def set_layer_number(self, layer_number: int) -> None:
+        self.layer_number = layer_number
 
     def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
                 **kwargs):
-        token_ids = padding_mask  # [b, s], full sequence even under SP (see model/gpt.py)
+        token_ids = padding_mask  # full sequence even under SP (see model/gpt.py)
         if token_ids is None:
             raise RuntimeError(
                 "a STEM layer ran without token ids: build models with "
                 "megatron_stem.model.build_model and pass input_ids on every pipeline stage")
+        if token_ids.dim() == 3:  # [num_layers, b, s]: per-layer ids (knowledge editing)
+            token_ids = token_ids[self.layer_number - 1]
         # Under SP the gate all-gathers the sequence, so its output covers all s positions.
         gate, _ = self.linear_gate(hidden_states)  # [s, b, ffn/tp]
         rows = self.table(token_ids.t())  # [s, b, ffn/tp]

@@ -50,27 +50,67 @@ class StemTable(MegatronModule):
 
     `sparse_grad`: produce a row-sparse gradient (only the looked-up rows) instead of a
     dense [V, width] one; set by optimizers that consume row-sparse updates.
+
+    `placement="host"` (`tables.placement`): the table is an fp32 tensor in host memory,
+    shared by a node's ranks (`model/host_copy.py`, which allocates it after the model is
+    built; until then it is on the meta device), never moved or cast with the module, and
+    it is the table optimizer's master copy. A forward reads the rows of its micro-batch,
+    staged on the accelerator by the `HostTableStore` set in `self.host`
+    (`training/host_tables.py`); their gradients go to the store's staged rows, not here.
     """
 
     sparse_grad = False
+    host = None  # placement "host": the HostTableStore serving the lookups
 
     def __init__(self, config: TransformerConfig, num_embeddings: int, ffn_hidden_size: int,
-                 init_seed: int, tp_group: Optional[torch.distributed.ProcessGroup] = None):
+                 init_seed: int, tp_group: Optional[torch.distributed.ProcessGroup] = None,
+                 placement: str = "device"):
         super().__init__(config=config)
         tp_group = get_tensor_model_parallel_group_if_none(tp_group)
         tp_size, tp_rank = tp_group.size(), tp_group.rank()
         width = ffn_hidden_size // tp_size
+        self.placement = placement
+        self._init_args = (ffn_hidden_size, tp_rank * width, init_seed)
+        self.perform_initialization = config.perform_initialization
+        if placement == "host":
+            self.set_host_weight(torch.empty(num_embeddings, width, device="meta"))
+            return
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         self.weight = torch.nn.Parameter(
             torch.empty(num_embeddings, width, device=device, dtype=config.params_dtype))
         if config.perform_initialization:
-            xavier_normal_table_(self.weight, ffn_hidden_size, tp_rank * width, init_seed)
+            self.init_table_(self.weight)
+        self._mark(self.weight)
+
+    def init_table_(self, weight: torch.Tensor) -> None:
+        """Fill `weight` (this rank's slice) with the table's initial values."""
+        xavier_normal_table_(weight, *self._init_args)
+
+    def set_host_weight(self, tensor: torch.Tensor) -> None:
+        """Make `tensor` (fp32, host memory) this table. No autograd gradient reaches it."""
+        self.weight = torch.nn.Parameter(tensor, requires_grad=False)
+        self._mark(self.weight)
+
+    @staticmethod
+    def _mark(weight: torch.nn.Parameter) -> None:
         tensor_parallel.set_tensor_model_parallel_attributes(
-            self.weight, is_parallel=True, dim=1, stride=1)
-        self.weight.stem_table = True
+            weight, is_parallel=True, dim=1, stride=1)
+        weight.stem_table = True
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.placement == "host":
+            if self.host is None:
+                raise RuntimeError("a host-placed STEM table has no HostTableStore: build "
+                                   "the trainer's engine (training/engine.py), which stages "
+                                   "its rows")
+            inverse, rows = self.host.lookup(token_ids, self)
+            return F.embedding(inverse, rows)
         return F.embedding(token_ids, self.weight, sparse=self.sparse_grad)
+
+    def _apply(self, fn, recurse=True):
+        # A host table stays where it is (fp32, shared host memory): `.cuda()`, `.to()`
+        # and casts of the model apply to everything else.
+        return self if self.placement == "host" else super()._apply(fn, recurse)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None):

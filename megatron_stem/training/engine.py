@@ -9,6 +9,7 @@ the tables' share of the norm (see `_include_tables_in_grad_norm`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -20,6 +21,8 @@ from megatron.core import parallel_state as ps
 from megatron_stem.config import Recipe
 from megatron_stem.errors import ConfigError
 from megatron_stem.model.table import StemTable
+from megatron_stem.parallel import device
+from megatron_stem.training.host_tables import HostTableStore
 from megatron_stem.training.table_optim import TableOptimizer
 
 
@@ -132,6 +135,19 @@ def _include_tables_in_grad_norm(zero_optimizer, tables: TableOptimizer,
     zero_optimizer.scaled_global_norm = global_norm
 
 
+@contextlib.contextmanager
+def _out_of_module(tables: list[StemTable]):
+    """DeepSpeed casts (bf16), moves and broadcasts every parameter of the module it wraps.
+    A host table must do none of that: it stays fp32 in host memory shared by a node's
+    ranks, and it is its optimizer's master copy. So it leaves the module meanwhile."""
+    saved = [(m, m._parameters.pop("weight")) for m in tables]
+    try:
+        yield
+    finally:
+        for m, weight in saved:
+            m._parameters["weight"] = weight
+
+
 def build_engine(model: torch.nn.Module, recipe: Recipe):
     """Wrap `model` in a DeepSpeed engine; returns (engine, table optimizer, norms)."""
     set_extensions_cache()
@@ -139,19 +155,30 @@ def build_engine(model: torch.nn.Module, recipe: Recipe):
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     decay, no_decay, tables = split_parameters(model)
+    host_tables = []
     for module in model.modules():
         if isinstance(module, StemTable):
             module.sparse_grad = True
-    engine, optimizer, _, _ = deepspeed.initialize(
-        model=model, optimizer=_dense_optimizer(recipe, decay, no_decay),
-        config=deepspeed_config(recipe, ps.get_data_parallel_world_size()), mpu=MegatronMpu())
+            if module.placement == "host":
+                host_tables.append(module)
+    with _out_of_module(host_tables):
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=_dense_optimizer(recipe, decay, no_decay),
+            config=deepspeed_config(recipe, ps.get_data_parallel_world_size()),
+            mpu=MegatronMpu())
     if not isinstance(optimizer, DeepSpeedZeroOptimizer):
         raise RuntimeError(f"expected DeepSpeed's ZeRO-1/2 optimizer, got {type(optimizer)}")
     opt, tab = recipe.optimizer, recipe.tables
+    host = None
+    if host_tables:
+        host = HostTableStore(
+            host_tables, device(), torch.bfloat16 if recipe.train.dtype == "bf16" else
+            torch.float32, cache_rows=tab.cache_rows, gather_threads=tab.gather_threads)
     table_optimizer = TableOptimizer(
         tables, update=tab.update, lr_mult=tab.lr_mult, weight_decay=tab.weight_decay,
         betas=(opt.beta1, opt.beta2), eps=opt.eps, kernel=tab.kernel,
-        dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group())
+        dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
+        host=host)
     norms = GradNorms()
     _include_tables_in_grad_norm(optimizer, table_optimizer, norms)
     return engine, table_optimizer, norms

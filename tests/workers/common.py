@@ -15,8 +15,8 @@ TINY = dict(hidden_size=64, num_layers=4, num_attention_heads=4, num_query_group
             ffn_hidden_size=128, vocab_size=300, seq_length=32)
 
 
-def tiny_model(stem_layers="1/2") -> ModelConfig:
-    return ModelConfig(**TINY, stem_layers=stem_layers)
+def tiny_model(stem_layers="1/2", **overrides) -> ModelConfig:
+    return ModelConfig(**{**TINY, **overrides}, stem_layers=stem_layers)
 
 
 def microbatches(model: ModelConfig, count=2, batch=2, seed=0) -> list[dict]:

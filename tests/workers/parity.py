@@ -1,7 +1,7 @@
 """Forward/backward of a tiny model on one parallel layout; dumps loss, grads, logits.
 
     torchrun --nproc_per_node N parity.py --out DIR [--tp 2] [--pp 2] [--sp]
-             [--recompute] [--load CKPT] [--save CKPT] [--stem 1/2] [--seed N]
+             [--recompute] [--load CKPT] [--save CKPT] [--stem 1/2] [--seed N] [--tied]
 """
 
 import argparse
@@ -29,13 +29,14 @@ def main():
     ap.add_argument("--load")
     ap.add_argument("--save")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--tied", action="store_true", help="tie input and output embeddings")
     args = ap.parse_args()
 
     parallel = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp,
                               sequence_parallel=args.sp,
                               recompute="full" if args.recompute else "none")
     init_distributed(parallel, seed=args.seed)
-    cfg = tiny_model(args.stem)
+    cfg = tiny_model(args.stem, untie_embeddings=not args.tied)
     model = build_model(cfg, parallel, seed=args.seed)
     if args.load:
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), args.load))

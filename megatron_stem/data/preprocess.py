@@ -1,0 +1,514 @@
+"""Input shards -> Megatron `.bin/.idx` token files: parallel, bounded memory, resumable.
+
+How it works:
+
+1. The main process reads the shards in order (decompressing as it goes) and cuts them
+   into chunks (`readers.read_chunks`); a chunk is the same in every run.
+2. Worker processes (`worker.py`) tokenize chunks and write each one as its own small
+   `.bin/.idx` part under `<output-prefix>.parts/` (tmp name, fsync, rename; the main
+   process then writes a JSON manifest: a manifest means the part is complete). Token
+   ids never travel back to the main process, and no process holds more than a few
+   chunks of text and one chunk's tokens.
+3. When every shard is done, the parts are concatenated in shard and chunk order into
+   `<output-prefix>_<key>_document.bin/.idx` (`indexed.merge`, streaming), the stats are
+   written next to them, and the parts are removed.
+
+The output depends only on the inputs and settings, not on the worker count nor on how
+often the run was interrupted: a rerun skips finished shards (a `done.json`) and chunks
+(a manifest) and redoes the rest. Shards can also be split among the tasks of a SLURM
+array (`group_index`/`num_groups`), followed by one `merge_only` run.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import sys
+import time
+from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Sequence, TextIO
+
+import numpy as np
+
+from megatron_stem.data.indexed import bin_path, idx_path, merge, token_dtype
+from megatron_stem.data.progress import Progress
+from megatron_stem.data.readers import SKIP_REASONS, Chunk, Shard, Skip, find_shards, read_chunks
+from megatron_stem.data.worker import BadRecord, WorkerSettings, fail_message, init_worker, work
+from megatron_stem.errors import UserError
+from megatron_stem.tokenizer import load_tokenizer
+
+# Bump when the parts' layout or content changes: older parts are then redone.
+_FORMAT_VERSION = 1
+_LIVE_ERRORS = 10  # skipped records printed as they are found; the rest go to the log
+
+
+def auto_chunk_bytes(shard: Shard) -> int:
+    """About a 16th of the file's size on disk, within 1..32 MiB of text: a small corpus
+    still spreads over the workers, a large one does not make millions of part files.
+    Depends on the file alone, so adding inputs never invalidates finished work."""
+    return min(max(shard.size // 16, 1 << 20), 32 << 20)
+
+
+@dataclass
+class PreprocessConfig:
+    inputs: list[str]
+    output_prefix: str
+    tokenizer_type: str
+    tokenizer_model: str
+    json_keys: list[str] = field(default_factory=lambda: ["text"])
+    append_eod: bool = False
+    workers: int = 1
+    on_error: Literal["skip", "fail"] = "skip"
+    chunk_bytes: Optional[int] = None  # text per unit of work; None: `auto_chunk_bytes`
+    log_interval: float = 10.0  # seconds between progress lines when not on a terminal
+    group_index: int = 0  # this task processes shards group_index, +num_groups, ...
+    num_groups: int = 1
+    merge_only: bool = False
+    keep_parts: bool = False
+
+    def validate(self) -> None:
+        if self.workers < 1:
+            raise UserError(f"--workers: must be >= 1, got {self.workers}")
+        if self.chunk_bytes is not None and self.chunk_bytes < 1:
+            raise UserError(f"--chunk-size-mb: must be positive, got {self.chunk_bytes} bytes")
+        if self.on_error not in ("skip", "fail"):
+            raise UserError(f"--on-error: expected skip or fail, got {self.on_error!r}")
+        if not self.json_keys or len(set(self.json_keys)) != len(self.json_keys):
+            raise UserError(f"--json-keys: expected distinct keys, got {self.json_keys}")
+        bad = [k for k in self.json_keys if not re.fullmatch(r"[\w.-]+", k)]
+        if bad:  # keys become file names
+            raise UserError(f"--json-keys: {bad[0]!r}: use letters, digits, '_', '.', '-'")
+        if not 0 <= self.group_index < self.num_groups:
+            raise UserError(f"--group-index: {self.group_index} is not in "
+                            f"0..{self.num_groups - 1} (--num-groups {self.num_groups})")
+        if not self.output_prefix or self.output_prefix.endswith(os.sep):
+            raise UserError(f"--output-prefix: {self.output_prefix!r} must name files, "
+                            "e.g. data/corpus")
+
+    def output(self, key: str) -> str:
+        """Megatron-LM's naming: <prefix>_<key>_document.{bin,idx}."""
+        return f"{self.output_prefix}_{key}_document"
+
+    @property
+    def stats_path(self) -> str:
+        return self.output_prefix + ".stats.json"
+
+    @property
+    def errors_path(self) -> str:
+        return self.output_prefix + ".errors.log"
+
+    @property
+    def parts_dir(self) -> str:
+        return self.output_prefix + ".parts"
+
+
+# --- the main process --------------------------------------------------------------------
+
+
+def preprocess(cfg: PreprocessConfig, log: Optional[TextIO] = sys.stderr) -> dict:
+    """Run, resume or finish a preprocessing job; return its stats (also written as JSON
+    to `cfg.stats_path`). Progress and skipped records go to `log`.
+
+    Workers are spawned processes: a script calling this needs the usual
+    `if __name__ == "__main__":` guard.
+    """
+    cfg.validate()
+    return _Job(cfg, log).run()
+
+
+@dataclass
+class _ShardState:
+    shard: Shard
+    dir: str
+    chunks: int = 0  # cut so far
+    pending: int = 0  # submitted, not finished
+    read: bool = False  # every chunk has been cut
+    errors: list = field(default_factory=list)  # skips concerning the file, not a chunk
+
+
+class _Job:
+    def __init__(self, cfg: PreprocessConfig, log: Optional[TextIO]):
+        self.cfg, self.log = cfg, log
+        self.tokenizer = load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_model)
+        if cfg.append_eod and self.tokenizer.eod is None:
+            raise UserError(f"--append-eod: {self.tokenizer.path} has no end-of-document token")
+        outputs = [path for key in cfg.json_keys for path in
+                   (bin_path(cfg.output(key)), idx_path(cfg.output(key)))]
+        self.shards, ignored = find_shards(
+            cfg.inputs, exclude=outputs + [cfg.stats_path, cfg.errors_path, cfg.parts_dir])
+        if ignored:
+            self._say(f"note: passed over {len(ignored)} file(s) of unsupported types in the "
+                      f"input folders, e.g. {ignored[0]}")
+        if cfg.json_keys != ["text"] and any(s.kind == "txt" for s in self.shards):
+            raise UserError("--json-keys: plain .txt inputs only have the field 'text'")
+        self.keys = list(cfg.json_keys)
+        self.dtype = token_dtype(self.tokenizer.vocab_size)
+        tok = self.tokenizer.unique_identifiers
+        # Everything that changes a part's bytes; the path of the tokenizer does not.
+        self.settings = {"format": _FORMAT_VERSION,
+                         "tokenizer": {k: tok[k] for k in ("class", "sha256", "vocab_size")},
+                         "json_keys": self.keys, "append_eod": cfg.append_eod,
+                         "dtype": np.dtype(self.dtype).name,
+                         "chunk_bytes": cfg.chunk_bytes or "auto"}
+        self.identity = _digest({"settings": self.settings,
+                                 "shards": [s.identity() for s in self.shards]})
+        self.run_stats = Counter()  # this run's own work
+        self.live_errors = 0
+
+    # -- driver
+
+    def run(self) -> dict:
+        start = time.monotonic()
+        cfg = self.cfg
+        final = cfg.num_groups == 1 or cfg.merge_only
+        os.makedirs(os.path.dirname(os.path.abspath(cfg.output_prefix)), exist_ok=True)
+        if final:
+            stats = self._up_to_date()
+            if stats is not None:
+                return {**stats, "up_to_date": True}
+        if not cfg.merge_only:
+            self._process(self.shards[cfg.group_index::cfg.num_groups])
+        if not final:
+            return self._group_stats(time.monotonic() - start)
+        return self._finalize(time.monotonic() - start)
+
+    def _say(self, text: str) -> None:
+        if self.log is not None:
+            self.log.write(text + "\n")
+            self.log.flush()
+
+    # -- paths and manifests
+
+    def _source(self, shard: Shard) -> dict:
+        return {"shard": shard.identity(), "settings": self.settings}
+
+    def _shard_dir(self, shard: Shard) -> str:
+        # Named by the path, not the position in the input list, so that adding inputs
+        # does not invalidate finished shards.
+        digest = hashlib.sha1(shard.path.encode()).hexdigest()[:16]
+        name = re.sub(r"[^\w.-]", "_", os.path.basename(shard.path))[:48]
+        return os.path.join(self.cfg.parts_dir, f"{name}-{digest}")
+
+    @staticmethod
+    def _chunk_json(shard_dir: str, index: int) -> str:
+        return os.path.join(shard_dir, f"{index:06d}.json")
+
+    def _part_prefixes(self, shard_dir: str, index: int) -> dict:
+        return {k: os.path.join(shard_dir, f"{index:06d}_{k}") for k in self.keys}
+
+    def _finished(self, shard: Shard) -> Optional[dict]:
+        done = _read_json(os.path.join(self._shard_dir(shard), "done.json"))
+        return done if done is not None and done.get("source") == self._source(shard) else None
+
+    def _check_reused(self, shard: Shard, first_error: Optional[list]) -> None:
+        """Under --on-error fail, work of an earlier --on-error skip run with skipped
+        records must fail like a fresh run would."""
+        if self.cfg.on_error == "fail" and first_error:
+            raise BadRecord(fail_message(Skip(*first_error), shard.path))
+
+    # -- processing
+
+    def _process(self, shards: list) -> None:
+        cfg = self.cfg
+        progress = Progress(self.log, sum(s.size for s in shards), cfg.log_interval)
+        ctx = multiprocessing.get_context("spawn")  # no forked copies of our threads or state
+        self.counters = ctx.Array("q", 2)
+        settings = WorkerSettings(cfg.tokenizer_type, cfg.tokenizer_model, tuple(self.keys),
+                                   self.tokenizer.eod if cfg.append_eod else None,
+                                   cfg.on_error == "fail", np.dtype(self.dtype).name)
+        executor = ProcessPoolExecutor(cfg.workers, ctx, init_worker, (settings, self.counters))
+        inflight = {}
+        try:
+            for shard in shards:
+                state = self._open_shard(shard, progress)
+                if state is None:
+                    continue
+                chunk_bytes = cfg.chunk_bytes or auto_chunk_bytes(shard)
+                for item in read_chunks(shard, self.keys, chunk_bytes):
+                    if isinstance(item, Skip):
+                        self._skip(state, item, progress)
+                        continue
+                    state.chunks += 1
+                    manifest = _read_json(self._chunk_json(state.dir, item.index))
+                    if manifest is not None:  # finished by an earlier run
+                        self._check_reused(shard, (manifest["errors"] or [None])[0])
+                        progress.resumed(item.disk_bytes)
+                        self.run_stats["chunks_resumed"] += 1
+                        continue
+                    # Bounded read-ahead: at most two chunks of text per worker in memory.
+                    while len(inflight) >= 2 * cfg.workers:
+                        self._collect(inflight, progress, timeout=0.25)
+                    prefixes = self._part_prefixes(state.dir, item.index)
+                    inflight[executor.submit(work, item, prefixes)] = (state, item)
+                    state.pending += 1
+                    self._collect(inflight, progress, timeout=0)
+                state.read = True
+                self._close_shard(state)
+            while inflight:
+                self._collect(inflight, progress, timeout=0.25)
+        except BrokenProcessPool as e:
+            raise RuntimeError("a worker process died (killed, or out of memory?); "
+                               "rerun the same command to resume") from e
+        finally:
+            # On any way out (an error, Ctrl-C, SIGTERM), running chunks finish and are
+            # recorded, so that the next run need not redo them.
+            executor.shutdown(wait=True, cancel_futures=True)
+            for future, (state, chunk) in inflight.items():
+                if not future.cancelled() and future.exception() is None:
+                    self._record(state, chunk, future.result(), progress)
+            progress.close()
+
+    def _open_shard(self, shard: Shard, progress: Progress) -> Optional[_ShardState]:
+        done = self._finished(shard)
+        if done is not None:
+            self._check_reused(shard, done["first_error"])
+            progress.resumed(shard.size)
+            self.run_stats["shards_resumed"] += 1
+            return None
+        state = _ShardState(shard, self._shard_dir(shard))
+        source_path = os.path.join(state.dir, "source.json")
+        if _read_json(source_path) != self._source(shard):
+            # Parts made from another version of the file or other settings are stale.
+            shutil.rmtree(state.dir, ignore_errors=True)
+            os.makedirs(state.dir)
+            _atomic_json(source_path, self._source(shard))
+        return state
+
+    def _skip(self, state: _ShardState, skip: Skip, progress: Progress) -> None:
+        if self.cfg.on_error == "fail":
+            raise BadRecord(fail_message(skip, state.shard.path))
+        state.errors.append([skip.line, skip.reason, skip.detail, skip.count])
+        self._live_error(state.shard.path, state.errors[-1], progress)
+
+    def _live_error(self, path: str, error: list, progress: Progress) -> None:
+        self.live_errors += 1
+        if self.live_errors <= _LIVE_ERRORS:
+            progress.message("skipped " + Skip(*error).describe(path))
+        if self.live_errors == _LIVE_ERRORS:
+            progress.message(f"(further skipped records: see {self.cfg.errors_path} at the end)")
+
+    def _collect(self, inflight: dict, progress: Progress, timeout: float) -> None:
+        done, _ = wait(list(inflight), timeout=timeout, return_when=FIRST_COMPLETED)
+        failure = None
+        for future in done:
+            if future.exception() is not None:
+                failure = failure or future.exception()
+                inflight.pop(future)[0].pending -= 1
+            else:
+                self._record(*inflight.pop(future), future.result(), progress)
+        if failure is not None:
+            raise failure
+        progress.docs, progress.tokens = self.counters[0], self.counters[1]
+        progress.tick()
+
+    def _record(self, state: _ShardState, chunk: Chunk, summary: dict, progress: Progress):
+        """A finished chunk: its manifest marks its parts complete."""
+        _atomic_json(self._chunk_json(state.dir, chunk.index), summary)
+        state.pending -= 1
+        progress.add(input_bytes=chunk.input_bytes, disk_bytes=chunk.disk_bytes)
+        self.run_stats.update(chunks_processed=1, documents=summary["documents"],
+                              tokens=sum(summary["tokens"].values()),
+                              input_bytes=chunk.input_bytes)
+        for error in summary["errors"]:
+            self._live_error(state.shard.path, error, progress)
+        self._close_shard(state)
+
+    def _close_shard(self, state: _ShardState) -> None:
+        """Once all its chunks are finished, mark the shard done with its totals."""
+        if not state.read or state.pending:
+            return
+        totals = _Totals(self.keys)
+        totals.add_errors(state.errors)
+        for i in range(state.chunks):
+            totals.add_chunk(_read_json(self._chunk_json(state.dir, i)))
+        _atomic_json(os.path.join(state.dir, "done.json"),
+                     {"source": self._source(state.shard), "chunks": state.chunks,
+                      "shard_errors": state.errors, "first_error": totals.first_error,
+                      **totals.as_dict()})
+
+    # -- the end
+
+    def _group_stats(self, seconds: float) -> dict:
+        cfg = self.cfg
+        self._say(f"group {cfg.group_index} of {cfg.num_groups} finished; once every group "
+                  "has, run the same command with --merge-only")
+        return {"group": [cfg.group_index, cfg.num_groups], "seconds": round(seconds, 3),
+                "this_run": self._run_dict(seconds)}
+
+    def _run_dict(self, seconds: float) -> dict:
+        r = self.run_stats
+        rate = lambda n: round(n / seconds, 1) if seconds > 0 else 0.0  # noqa: E731
+        return {"documents": r["documents"], "tokens": r["tokens"],
+                "input_bytes": r["input_bytes"], "chunks_processed": r["chunks_processed"],
+                "chunks_resumed": r["chunks_resumed"], "shards_resumed": r["shards_resumed"],
+                "docs_per_s": rate(r["documents"]), "tokens_per_s": rate(r["tokens"]),
+                "mb_per_s": round(r["input_bytes"] / 1e6 / seconds, 3) if seconds > 0 else 0.0}
+
+    def _up_to_date(self) -> Optional[dict]:
+        stats = _read_json(self.cfg.stats_path)
+        if stats is None or stats.get("identity") != self.identity:
+            return None
+        for key, sizes in stats.get("output_bytes", {}).items():
+            for path, size in ((bin_path(self.cfg.output(key)), sizes["bin"]),
+                               (idx_path(self.cfg.output(key)), sizes["idx"])):
+                if not os.path.isfile(path) or os.path.getsize(path) != size:
+                    return None
+        if self.cfg.on_error == "fail" and stats["first_errors"]:
+            raise BadRecord(stats["first_errors"][0] + " (--on-error fail)")
+        return stats
+
+    def _finalize(self, seconds: float) -> dict:
+        cfg = self.cfg
+        dones = [self._finished(s) for s in self.shards]
+        missing = [s for s, d in zip(self.shards, dones) if d is None]
+        if missing:
+            raise UserError(f"{len(missing)} of {len(self.shards)} input files are not "
+                            f"processed yet, e.g. {missing[0].path}: run every preprocessing "
+                            "task to the end before --merge-only")
+        totals = _Totals(self.keys)
+        for done in dones:
+            totals.add_chunk(done)
+        output_bytes = {}
+        for key in self.keys:
+            parts = [self._part_prefixes(self._shard_dir(s), i)[key]
+                     for s, d in zip(self.shards, dones) for i in range(d["chunks"])]
+            out, tmp = cfg.output(key), f"{cfg.output(key)}.tmp{os.getpid()}"
+            for stale in glob.glob(glob.escape(out) + ".tmp*"):  # from a killed merge
+                os.remove(stale)
+            merge(parts, tmp, self.dtype)
+            os.replace(bin_path(tmp), bin_path(out))
+            os.replace(idx_path(tmp), idx_path(out))
+            output_bytes[key] = {"bin": os.path.getsize(bin_path(out)),
+                                 "idx": os.path.getsize(idx_path(out))}
+        first_errors = self._write_errors_log(dones)
+        stats = {"outputs": {k: cfg.output(k) for k in self.keys},
+                 **totals.as_dict(), "tokens_by_key": totals.as_dict()["tokens"],
+                 "input_disk_bytes": sum(s.size for s in self.shards),
+                 "shards": len(self.shards), "chunks": sum(d["chunks"] for d in dones),
+                 "errors_log": cfg.errors_path if first_errors else None,
+                 "first_errors": first_errors,
+                 "seconds": round(seconds, 3), "workers": cfg.workers,
+                 "this_run": self._run_dict(seconds),
+                 "tokenizer": self.tokenizer.unique_identifiers, "dtype": self.settings["dtype"],
+                 "json_keys": self.keys, "append_eod": cfg.append_eod,
+                 "identity": self.identity, "output_bytes": output_bytes}
+        stats["tokens"] = sum(stats["tokens_by_key"].values())
+        _atomic_json(cfg.stats_path, stats)
+        if not cfg.keep_parts:
+            shutil.rmtree(cfg.parts_dir, ignore_errors=True)
+        return stats
+
+    def _write_errors_log(self, dones: list) -> list:
+        """Every skipped record, in input order, one `file:line: reason: detail` a line;
+        returns the first few lines."""
+        path, tmp = self.cfg.errors_path, f"{self.cfg.errors_path}.tmp{os.getpid()}"
+        first = []
+        with open(tmp, "w", encoding="utf-8") as f:
+            for shard, done in zip(self.shards, dones):
+                if not done["skipped"]:
+                    continue
+                errors = list(done["shard_errors"])
+                shard_dir = self._shard_dir(shard)
+                for i in range(done["chunks"]):
+                    errors += _read_json(self._chunk_json(shard_dir, i))["errors"]
+                for error in sorted(errors, key=lambda e: e[0]):
+                    line = Skip(*error).describe(shard.path)
+                    f.write(line + "\n")
+                    if len(first) < 20:
+                        first.append(line)
+        if first:
+            os.replace(tmp, path)
+        else:
+            os.remove(tmp)
+            if os.path.exists(path):  # from an earlier run of other inputs
+                os.remove(path)
+        return first
+
+
+class _Totals:
+    """Documents, tokens, bytes and skips added up over chunks (or shards)."""
+
+    def __init__(self, keys: Sequence[str]):
+        self.documents = self.input_bytes = 0
+        self.tokens = Counter({k: 0 for k in keys})
+        self.skipped = Counter()
+        self.first_error = None
+
+    def add_errors(self, errors: list) -> None:
+        for line, reason, detail, count in errors:
+            self.skipped[reason] += count
+        if errors and self.first_error is None:
+            self.first_error = errors[0]
+
+    def add_chunk(self, summary: dict) -> None:
+        self.documents += summary["documents"]
+        self.input_bytes += summary["input_bytes"]
+        self.tokens.update(summary["tokens"])
+        self.skipped.update(summary["skipped"])
+        first = summary.get("first_error") or (summary.get("errors") or [None])[0]
+        self.first_error = self.first_error or first
+
+    def as_dict(self) -> dict:
+        return {"documents": self.documents, "tokens": dict(self.tokens),
+                "input_bytes": self.input_bytes,
+                "skipped": {r: self.skipped[r] for r in SKIP_REASONS if self.skipped[r]}}
+
+
+def format_summary(stats: dict) -> str:
+    """The stats as a few lines for people."""
+    run = stats["this_run"]
+    lines = []
+    if "outputs" in stats:
+        for key, prefix in stats["outputs"].items():
+            lines.append(f"wrote {prefix}.bin/.idx ({stats['dtype']})")
+        skipped = stats["skipped"]
+        lines.append(f"{stats['documents']:,} documents, {stats['tokens']:,} tokens from "
+                     f"{stats['shards']} file(s); skipped {sum(skipped.values()):,}"
+                     + (f" ({', '.join(f'{r}: {n:,}' for r, n in skipped.items())})"
+                        if skipped else ""))
+        if stats["errors_log"]:
+            lines.append(f"skipped records are listed in {stats['errors_log']}")
+    if stats.get("up_to_date"):
+        lines.append("nothing to do: the outputs are up to date with the inputs")
+        return "\n".join(lines)
+    resumed = (f"; reused {run['chunks_resumed']} chunk(s) and {run['shards_resumed']} "
+               "file(s) from an earlier run" if run["chunks_resumed"] or run["shards_resumed"]
+               else "")
+    if run["chunks_processed"]:
+        lines.append(f"this run: {run['documents']:,} docs in {stats['seconds']:.1f} s "
+                     f"({run['docs_per_s']:,.0f} docs/s, {run['tokens_per_s']:,.0f} tokens/s, "
+                     f"{run['mb_per_s']:.2f} MB/s){resumed}")
+    else:
+        lines.append(f"this run: nothing left to tokenize{resumed}; {stats['seconds']:.1f} s")
+    return "\n".join(lines)
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _read_json(path: str) -> Optional[dict]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except ValueError:  # cannot happen with atomic writes, but a hand-edited file may
+        return None
+
+
+def _atomic_json(path: str, obj) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,94 @@
+"""The megatron <-> HF name map on its own: layouts invert, qkv is split by kv group,
+config.json round-trips the recipe. (Parity with the real model is in test_hf.py.)"""
+
+import pytest
+import torch
+
+from megatron_stem.config import ModelConfig
+from megatron_stem.errors import UserError
+from megatron_stem.hf import names
+
+SHAPES = {
+    "mha": dict(num_attention_heads=4, num_query_groups=None),
+    "gqa": dict(num_attention_heads=4, num_query_groups=2),
+    "mqa": dict(num_attention_heads=4, num_query_groups=1),
+}
+
+
+def model(attention="gqa", **fields) -> ModelConfig:
+    base = dict(hidden_size=32, num_layers=4, ffn_hidden_size=48, vocab_size=200,
+                seq_length=16, stem_layers="1/2", **SHAPES[attention])
+    return ModelConfig(**{**base, **fields})
+
+
+@pytest.mark.parametrize("attention", list(SHAPES))
+@pytest.mark.parametrize("untie", [True, False])
+def test_every_layout_inverts_exactly(attention, untie):
+    m = model(attention, untie_embeddings=untie)
+    maps = names.tensor_map(m)
+    hf_names = [n for t in maps for n in t.hf]
+    assert len(hf_names) == len(set(hf_names))
+    assert ("lm_head.weight" in hf_names) == untie
+    for t in maps:
+        tensor = torch.randn(t.megatron_shape)
+        if t.megatron.startswith(("embedding", "output_layer")):
+            tensor[m.vocab_size:] = 0  # padding rows are not carried by HF
+        parts = t.to_hf(tensor)
+        assert [tuple(p.shape) for p in parts] == list(t.hf_shapes), t.megatron
+        assert torch.equal(t.to_megatron([p.contiguous() for p in parts]), tensor), t.megatron
+
+
+@pytest.mark.parametrize("attention", list(SHAPES))
+def test_qkv_rows_follow_megatron_grouping(attention):
+    """Megatron stacks, per kv group: the group's q heads, then its k head, then its v head.
+    HF query head h must be served by kv head h // (heads / groups)."""
+    m = model(attention)
+    heads, groups, head_dim = m.num_attention_heads, m.kv_heads, 32 // 4
+    per_group = heads // groups
+    rows = []  # label each megatron row with (kind, head)
+    for g in range(groups):
+        rows += [("q", g * per_group + j) for j in range(per_group) for _ in range(head_dim)]
+        rows += [("k", g)] * head_dim + [("v", g)] * head_dim
+    code = {("q", h): h for h in range(heads)}
+    code.update({("k", g): 100 + g for g in range(groups)})
+    code.update({("v", g): 200 + g for g in range(groups)})
+    qkv = torch.tensor([float(code[r]) for r in rows])[:, None].expand(-1, 32).contiguous()
+    (t,) = [t for t in names.tensor_map(m) if t.megatron.endswith("layers.0.self_attention."
+                                                                     "linear_qkv.weight")]
+    q, k, v = t.to_hf(qkv)
+    assert q[::head_dim, 0].tolist() == list(range(heads))
+    assert k[::head_dim, 0].tolist() == [100 + g for g in range(groups)]
+    assert v[::head_dim, 0].tolist() == [200 + g for g in range(groups)]
+
+
+def test_stem_and_dense_layers_get_their_own_tensors():
+    hf = {n for t in names.tensor_map(model(stem_layers=[2])) for n in t.hf}
+    assert "model.layers.2.mlp.table.weight" in hf and "model.layers.2.mlp.up_proj.weight" not in hf
+    assert "model.layers.1.mlp.up_proj.weight" in hf and "model.layers.1.mlp.table.weight" not in hf
+
+
+@pytest.mark.parametrize("fields", [
+    dict(stem_layers="1/2"), dict(stem_layers=[3, 1]), dict(stem_layers="none"),
+    dict(untie_embeddings=False, rotary_base=10000.0), dict(num_query_groups=None),
+    dict(make_vocab_size_divisible_by=64, init_std=0.01, norm_eps=1e-6),
+])
+def test_config_json_gives_back_the_exact_model_config(fields):
+    m = model(**fields)
+    assert names.model_config(names.hf_config(m, "float32")) == m
+
+
+def test_config_json_without_the_megatron_block_still_imports():
+    """A config written by transformers itself (no `megatron_stem` extras)."""
+    hf = names.hf_config(model(stem_layers="1/2"), "float32")
+    del hf[names.MEGATRON_KEY]
+    assert names.model_config(hf).stem_layer_indices == [1, 3]
+
+
+def test_foreign_or_contradictory_config_json_is_refused():
+    hf = names.hf_config(model(), "float32")
+    with pytest.raises(UserError, match="not a megatron-stem export"):
+        names.model_config({**hf, "model_type": "llama"})
+    with pytest.raises(UserError, match="missing intermediate_size"):
+        names.model_config({k: v for k, v in hf.items() if k != "intermediate_size"})
+    with pytest.raises(UserError, match="disagrees with stem_layers"):
+        names.model_config({**hf, "stem_layers": [1, 2]})

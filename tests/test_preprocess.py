@@ -1,0 +1,455 @@
+"""Preprocessing (megatron_stem.data, tools/preprocess_data.py): documents -> .bin/.idx ->
+megatron-core's datasets give back the same token ids, for every input format; bad input
+is counted and located; the bytes do not depend on workers, chunking or interruptions."""
+
+import gzip
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, subprocess_env
+from megatron_stem.data.indexed import PartWriter, merge, token_dtype
+from megatron_stem.data.preprocess import PreprocessConfig, preprocess
+from megatron_stem.data.worker import BadRecord
+from megatron_stem.errors import UserError
+from megatron_stem.tokenizer import load_tokenizer
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+
+def jsonl_bytes(records) -> bytes:
+    return b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in records)
+
+
+def write(path: Path, data: bytes) -> Path:
+    """Write `data` (uncompressed) to `path`, compressed as its name says."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".gz":
+        data = gzip.compress(data)
+    elif path.suffix == ".zst":
+        import zstandard
+
+        data = zstandard.ZstdCompressor().compress(data)
+    path.write_bytes(data)
+    return path
+
+
+def run(inputs, prefix, sp_model, **kw) -> dict:
+    cfg = PreprocessConfig(inputs=[str(i) for i in inputs], output_prefix=str(prefix),
+                           tokenizer_type="sentencepiece", tokenizer_model=sp_model,
+                           append_eod=kw.pop("append_eod", True), **kw)
+    return preprocess(cfg, log=None)
+
+
+def read_documents(prefix) -> list:
+    """Token ids of each document, read back by megatron-core's IndexedDataset."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(str(prefix))
+    return [ds[i].tolist() for i in range(len(ds))]
+
+
+def expected_ids(tok, texts, eod=True) -> list:
+    return [tok.encode(t) + ([tok.eod] if eod else []) for t in texts]
+
+
+def output_bytes(prefix) -> tuple:
+    return Path(f"{prefix}.bin").read_bytes(), Path(f"{prefix}.idx").read_bytes()
+
+
+def cli(*args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "tools/preprocess_data.py", *map(str, args)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tok(sp_model):
+    return load_tokenizer("sentencepiece", sp_model)
+
+
+# --- format and round trips --------------------------------------------------------------
+
+
+def test_round_trip_through_megatron_gpt_dataset(tmp_path, sp_model, tok, corpus_texts):
+    """documents -> .bin/.idx -> BlendedMegatronDatasetBuilder + GPTDataset samples are
+    exactly the expected token stream."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import \
+        BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    texts = corpus_texts[:400] + corpus_texts[-4:]
+    write(tmp_path / "in.jsonl", jsonl_bytes({"text": t} for t in texts))
+    stats = run([tmp_path / "in.jsonl"], tmp_path / "out", sp_model, workers=2)
+    prefix = stats["outputs"]["text"]
+    docs = expected_ids(tok, texts)
+    assert read_documents(prefix) == docs
+    assert stats["documents"] == len(texts)
+    assert stats["tokens"] == sum(map(len, docs))
+
+    seq = 64
+    config = GPTDatasetConfig(
+        random_seed=1234, sequence_length=seq, blend=([prefix], None), split="1,0,0",
+        tokenizer=tok, reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=False, path_to_cache=str(tmp_path / "cache"))
+    ds, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [200, None, None], lambda: True,
+                                             config).build()
+    assert isinstance(ds, GPTDataset) and len(ds) >= 200
+    for i in range(len(ds)):
+        # Where megatron says sample i lies in its (shuffled) document order...
+        j = ds.shuffle_index[i]
+        (b, b_off), (e, e_off) = ds.sample_index[j], ds.sample_index[j + 1]
+        stream = [t for k in range(b, e + 1) for t in docs[ds.document_index[k]]]
+        ends = np.cumsum([len(docs[ds.document_index[k]]) for k in range(b, e + 1)])
+        window = stream[b_off: (ends[-2] if e > b else 0) + e_off + 1]
+        # ... the sample holds exactly our tokens.
+        sample = ds[i]
+        assert sample["tokens"].tolist() == window[:-1]
+        assert sample["labels"].tolist() == window[1:]
+
+
+def test_same_bytes_as_megatron_builder(tmp_path, sp_model, tok, corpus_texts):
+    """What Megatron-LM's preprocess_data.py would write for these documents (megatron-core's
+    IndexedDatasetBuilder.add_document), and its add_index merge, byte for byte."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    texts = corpus_texts[:300]
+    for i, part in enumerate((texts[:100], [], texts[100:])):  # an empty part too
+        write(tmp_path / f"in{i}.jsonl", jsonl_bytes({"text": t} for t in part))
+    stats = run(sorted(tmp_path.glob("in*.jsonl")), tmp_path / "ours", sp_model,
+                chunk_bytes=4096)
+    docs = expected_ids(tok, texts)
+
+    dtype = DType.optimal_dtype(tok.vocab_size)
+    builder = IndexedDatasetBuilder(str(tmp_path / "theirs.bin"), dtype=dtype)
+    for d in docs:
+        builder.add_document(torch.tensor(d), [len(d)])
+    builder.finalize(str(tmp_path / "theirs.idx"))
+    assert output_bytes(stats["outputs"]["text"]) == output_bytes(tmp_path / "theirs")
+
+    # The streaming merge equals the builder's add_index, including an empty part.
+    for name, part in (("a", docs[:7]), ("b", []), ("c", docs[7:20])):
+        w = PartWriter(str(tmp_path / name), dtype)
+        for d in part:
+            w.add(np.array(d), np.array([len(d)]))
+        w.close()
+    merge([str(tmp_path / n) for n in "abc"], str(tmp_path / "merged"), dtype)
+    builder = IndexedDatasetBuilder(str(tmp_path / "ref.bin"), dtype=dtype)
+    for n in "abc":
+        builder.add_index(str(tmp_path / n))
+    builder.finalize(str(tmp_path / "ref.idx"))
+    assert output_bytes(tmp_path / "merged") == output_bytes(tmp_path / "ref")
+
+
+FORMATS = ["a.jsonl", "a.json", "a.jsonl.gz", "a.jsonl.zst", "a.parquet", "a.txt", "a.txt.gz",
+           "a.txt.zst"]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_every_input_format(tmp_path, sp_model, tok, corpus_texts, name):
+    # Documents of one line each, so that the .txt format (a line a document) can hold them.
+    texts = [t.replace("\n", " ") for t in corpus_texts[:150]] + ["naïve café — 東京 🚀"]
+    if name.endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pa.table({"text": texts, "id": list(range(len(texts)))})
+        pq.write_table(table, tmp_path / name, row_group_size=40)  # several row groups
+    elif ".txt" in name:
+        write(tmp_path / name, "".join(t + "\n" for t in texts).encode())
+    else:
+        write(tmp_path / name, jsonl_bytes({"id": i, "text": t} for i, t in enumerate(texts)))
+    stats = run([tmp_path / name], tmp_path / "out", sp_model, chunk_bytes=2000)
+    assert read_documents(stats["outputs"]["text"]) == expected_ids(tok, texts)
+    assert stats["skipped"] == {} and stats["chunks"] > 1
+
+
+def test_several_keys_make_aligned_outputs(tmp_path, sp_model, tok):
+    records = [{"title": f"Title {i}", "text": f"Body of document {i}."} for i in range(30)]
+    records[4] = {"text": "no title here"}  # dropped from both outputs
+    write(tmp_path / "in.jsonl", jsonl_bytes(records))
+    stats = run([tmp_path / "in.jsonl"], tmp_path / "out", sp_model, json_keys=["title", "text"],
+                append_eod=False)
+    kept = records[:4] + records[5:]
+    assert stats["outputs"] == {"title": f"{tmp_path}/out_title_document",
+                                "text": f"{tmp_path}/out_text_document"}
+    for key in ("title", "text"):
+        assert read_documents(stats["outputs"][key]) == \
+            expected_ids(tok, [r[key] for r in kept], eod=False)
+    assert stats["skipped"] == {"missing_key": 1}
+    assert stats["first_errors"] == [f"{tmp_path}/in.jsonl:5: missing_key: no key 'title'"]
+
+
+def test_token_dtype_follows_vocab_size(tmp_path):
+    """uint16 below 65,500 ids (as megatron-core picks), int32 from there: a 70,000-word
+    Hugging Face tokenizer round-trips through int32 token files."""
+    from megatron.core.datasets.indexed_dataset import DType
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    for vocab in (1000, 65499, 65500, 128256):
+        assert token_dtype(vocab) == DType.optimal_dtype(vocab)
+    words = [f"w{i}" for i in range(70000)]
+    hf = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words + ["<unk>", "</s>"])},
+                                    unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    texts = [" ".join(words[i::997][:20]) for i in range(50)] + ["w69999 w65535 w65500"]
+    write(tmp_path / "in.jsonl", jsonl_bytes({"text": t} for t in texts))
+    stats = preprocess(PreprocessConfig(
+        inputs=[str(tmp_path / "in.jsonl")], output_prefix=str(tmp_path / "out"),
+        tokenizer_type="huggingface", tokenizer_model=str(tmp_path), append_eod=True), log=None)
+    assert stats["dtype"] == "int32"
+    ids = read_documents(stats["outputs"]["text"])
+    assert ids[-1] == [69999, 65535, 65500, 70001]
+    assert all(max(d[:-1]) >= 0 and d[-1] == 70001 for d in ids)
+
+
+# --- bad input ---------------------------------------------------------------------------
+
+
+def bad_jsonl() -> tuple[bytes, list]:
+    """Lines 2..8 are bad in every way the issue lists; the rest are good documents."""
+    good = [f"good document {i}" for i in range(5)]
+    lines = [json.dumps({"text": good[0]}).encode(),
+             b'{"text": "unterminated',                      # 2 bad_json
+             json.dumps({"body": "wrong key"}).encode(),     # 3 missing_key
+             b'{"text": "caf\xe9 latin-1"}',                 # 4 bad_utf8 (not UTF-8)
+             json.dumps({"text": "   "}).encode(),           # 5 empty
+             json.dumps({"text": 42}).encode(),              # 6 not_text
+             b'{"text": "lone \\ud800 surrogate"}',          # 7 bad_utf8 (escaped)
+             b'[1, 2]',                                      # 8 bad_json (not an object)
+             b"",                                            # 9 blank: not a record
+             json.dumps({"text": good[1]}).encode(),
+             json.dumps({"text": good[2]}).encode()]
+    return b"\n".join(lines) + b"\n", good[:3]
+
+
+def test_bad_records_are_counted_located_and_skipped(tmp_path, sp_model, tok):
+    data, good = bad_jsonl()
+    bad = write(tmp_path / "in" / "bad.jsonl", data)
+    # A gzip file cut in its middle: its first documents are kept, the break is reported.
+    lines = [f"truncated file line {i}" for i in range(2000)]
+    full = gzip.compress(jsonl_bytes({"text": t} for t in lines))
+    trunc = tmp_path / "in" / "cut.jsonl.gz"
+    trunc.write_bytes(full[: len(full) // 2])
+
+    stats = run([tmp_path / "in"], tmp_path / "out", sp_model)
+    assert stats["skipped"] == {"bad_json": 2, "missing_key": 1, "not_text": 1, "bad_utf8": 2,
+                                "empty": 1, "read_error": 1}
+    log = Path(stats["errors_log"]).read_text().splitlines()
+    assert log[:7] == [
+        f"{bad}:2: bad_json: Unterminated string starting at (column 10)",
+        f"{bad}:3: missing_key: no key 'text'",
+        f"{bad}:4: bad_utf8: invalid UTF-8 byte at column 14",
+        f"{bad}:5: empty: 'text' is empty",
+        f"{bad}:6: not_text: 'text' is int, not a string",
+        f"{bad}:7: bad_utf8: 'text' has an unpaired surrogate at character 6",
+        f"{bad}:8: bad_json: expected a JSON object, got list"]
+    assert len(log) == 8 and log[7].startswith(f"{trunc}:")
+    assert "read_error: file ends early or is corrupt (Compressed file ended" in log[7]
+    broken_at = int(log[7].split(":")[1])
+    docs = read_documents(stats["outputs"]["text"])
+    # Every complete line before the break made it; nothing after it, nothing invented.
+    assert docs == expected_ids(tok, good + lines[: broken_at - 1])
+    assert 0 < broken_at - 1 < len(lines)
+    assert stats["first_errors"] == log
+
+
+@pytest.mark.parametrize("line,reason", [(2, "bad_json"), (5, "empty")])
+def test_on_error_fail_stops_with_file_and_line(tmp_path, sp_model, line, reason):
+    data, _ = bad_jsonl()
+    rows = [b'{"text": "ok"}'] * (line - 1) + [data.split(b"\n")[line - 1]]
+    bad = write(tmp_path / "bad.jsonl", b"\n".join(rows) + b"\n")
+    with pytest.raises(BadRecord, match=rf"^{bad}:{line}: {reason}: .*\(--on-error fail"):
+        run([bad], tmp_path / "out", sp_model, on_error="fail")
+    assert not (tmp_path / "out_text_document.bin").exists()
+
+
+def test_cli_errors_are_one_line(tmp_path, sp_model):
+    data, _ = bad_jsonl()
+    write(tmp_path / "bad.jsonl", data)
+    common = ["--output-prefix", tmp_path / "out", "--tokenizer-type", "sentencepiece",
+              "--tokenizer-model", sp_model, "--workers", "1"]
+    cases = [
+        (["--input", tmp_path / "bad.jsonl", "--on-error", "fail", *common],
+         f"error: {tmp_path}/bad.jsonl:2: bad_json: Unterminated string starting at (column "
+         "10) (--on-error fail; --on-error skip counts and skips these)"),
+        (["--input", tmp_path / "missing.jsonl", *common],
+         f"error: --input {tmp_path}/missing.jsonl: no such file or folder"),
+        (["--input", tmp_path / "bad.jsonl", *common[:-3], "/nope.model"],
+         "error: /nope.model: SentencePiece model not found"),
+        (["--input", tmp_path / "bad.jsonl", "--json-keys", "a/b", *common],
+         "error: --json-keys: 'a/b': use letters, digits, '_', '.', '-'"),
+    ]
+    for args, message in cases:
+        proc = cli(*args)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == message
+        assert "Traceback" not in proc.stderr
+
+
+def test_parquet_without_the_column_or_unreadable(tmp_path, sp_model, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"content": ["a", "b", "c"]}), tmp_path / "x.parquet")
+    (tmp_path / "z.parquet").write_bytes(b"PAR1 this is not parquet")
+    write(tmp_path / "y.jsonl", jsonl_bytes([{"text": "fine"}]))
+    stats = run([tmp_path / "x.parquet", tmp_path / "y.jsonl", tmp_path / "z.parquet"],
+                tmp_path / "out", sp_model)
+    assert stats["skipped"] == {"missing_key": 3, "read_error": 1}
+    assert stats["first_errors"][0] == \
+        f"{tmp_path}/x.parquet: missing_key: no column 'text' (columns: content)"
+    assert stats["first_errors"][1].startswith(
+        f"{tmp_path}/z.parquet: read_error: not a readable Parquet file")
+    assert read_documents(stats["outputs"]["text"]) == expected_ids(tok, ["fine"])
+
+
+def test_multi_member_gzip_multi_frame_zstd_and_truncated_zstd(tmp_path, sp_model, tok):
+    import zstandard
+
+    texts = [f"line {i} of a compressed file" for i in range(300)]
+    first, second = jsonl_bytes({"text": t} for t in texts[:100]), \
+        jsonl_bytes({"text": t} for t in texts[100:])
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(first) + gzip.compress(second))
+    zst = zstandard.ZstdCompressor()
+    (tmp_path / "b.jsonl.zst").write_bytes(zst.compress(first) + zst.compress(second))
+    cut = zst.compress(first + second)
+    (tmp_path / "c.jsonl.zst").write_bytes(cut[: len(cut) * 2 // 3])
+    stats = run([tmp_path / "a.jsonl.gz", tmp_path / "b.jsonl.zst", tmp_path / "c.jsonl.zst"],
+                tmp_path / "out", sp_model)
+    (error,) = stats["first_errors"]
+    assert error.startswith(f"{tmp_path}/c.jsonl.zst:")
+    assert "read_error: file ends early or is corrupt (zstd stream ended" in error
+    kept = int(error.split(":")[1]) - 1
+    assert read_documents(stats["outputs"]["text"]) == expected_ids(tok, texts * 2 + texts[:kept])
+
+
+# --- determinism, resume, arrays ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, corpus_texts):
+    """Six shards of mixed formats and sizes, about 1,500 documents, and two empty files."""
+    folder = tmp_path_factory.mktemp("shards")
+    texts = corpus_texts
+    cuts = [0, 300, 310, 700, 900, 1300, len(texts)]
+    names = ["00.jsonl.gz", "01.jsonl", "02.jsonl.zst", "03.jsonl", "04.txt", "05.jsonl.gz"]
+    for name, lo, hi in zip(names, cuts, cuts[1:]):
+        part = texts[lo:hi]
+        if name.endswith(".txt"):
+            write(folder / name, "".join(t.replace("\n", " ") + "\n" for t in part).encode())
+        else:
+            write(folder / name, jsonl_bytes({"text": t} for t in part))
+    write(folder / "06.jsonl", b"")
+    write(folder / "07.jsonl.gz", b"")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(shards, sp_model, tmp_path_factory):
+    """The uninterrupted run's output, one worker."""
+    stats = run([shards], tmp_path_factory.mktemp("ref") / "out", sp_model, workers=1)
+    return output_bytes(stats["outputs"]["text"])
+
+
+def test_same_bytes_whatever_workers_and_chunking(shards, reference, sp_model, tmp_path):
+    for workers, chunk in ((2, None), (2, 3000), (1, 1 << 30)):
+        stats = run([shards], tmp_path / f"w{workers}_{chunk}" / "out", sp_model,
+                    workers=workers, chunk_bytes=chunk)
+        assert output_bytes(stats["outputs"]["text"]) == reference, (workers, chunk)
+    assert stats["shards"] == 8
+
+
+@pytest.mark.parametrize("how", ["kill the job", "terminate"])
+def test_killed_run_resumes_to_the_same_bytes(shards, reference, sp_model, tmp_path, how):
+    prefix = tmp_path / "out"
+    args = ["--input", shards, "--output-prefix", prefix, "--tokenizer-type", "sentencepiece",
+            "--tokenizer-model", sp_model, "--append-eod", "--workers", "1",
+            "--chunk-size-mb", "0.002"]
+    proc = subprocess.Popen([sys.executable, "tools/preprocess_data.py", *map(str, args)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    parts = Path(f"{prefix}.parts")
+    deadline = time.monotonic() + 60
+    while len(list(parts.glob("*/0*.json"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if how == "kill the job":  # every process at once, as when a node dies
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    else:  # scancel, preemption: stops cleanly, recording the chunks being worked on
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 130
+    assert not Path(f"{prefix}_text_document.idx").exists(), "the run ended before the kill"
+    finished = len(list(parts.glob("*/0*.json")))
+    assert finished >= 3
+
+    proc = cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert output_bytes(f"{prefix}_text_document") == reference
+    stats = json.loads(Path(f"{prefix}.stats.json").read_text())
+    assert stats["this_run"]["chunks_resumed"] >= finished - 1  # one may lack its manifest
+    assert not parts.exists() and not list(tmp_path.glob("*.tmp*"))
+    # Once finished, a rerun has nothing to do.
+    proc = cli(*args)
+    assert proc.returncode == 0 and "nothing to do: the outputs are up to date" in proc.stdout
+
+
+def test_fix_a_bad_shard_and_resume(shards, reference, sp_model, tmp_path):
+    """--on-error fail stops at a bad file; fixing it and rerunning redoes only that file."""
+    inputs = tmp_path / "in"
+    shutil.copytree(shards, inputs)
+    good = (inputs / "03.jsonl").read_bytes()
+    (inputs / "03.jsonl").write_bytes(good + b"{oops\n")
+    with pytest.raises(BadRecord, match=r"03.jsonl:201: bad_json"):
+        run([inputs], tmp_path / "out", sp_model, on_error="fail", chunk_bytes=10_000)
+    (inputs / "03.jsonl").write_bytes(good)
+    stats = run([inputs], tmp_path / "out", sp_model, on_error="fail", chunk_bytes=10_000)
+    assert stats["this_run"]["shards_resumed"] >= 3
+    assert output_bytes(stats["outputs"]["text"]) == reference
+
+
+def test_array_groups_then_merge(shards, reference, sp_model, tmp_path):
+    prefix = tmp_path / "out"
+    run([shards], prefix, sp_model, num_groups=3, group_index=0)
+    with pytest.raises(UserError, match=r"5 of 8 input files are not processed yet"):
+        run([shards], prefix, sp_model, merge_only=True)
+    for g in (1, 2):
+        group = run([shards], prefix, sp_model, num_groups=3, group_index=g)
+        assert group["group"] == [g, 3] and group["this_run"]["documents"] > 0
+    stats = run([shards], prefix, sp_model, merge_only=True)
+    assert output_bytes(stats["outputs"]["text"]) == reference
+    assert stats["this_run"]["documents"] == 0 and stats["documents"] == 1504
+
+
+def test_slurm_scripts_run_without_slurm(shards, reference, sp_model, tmp_path):
+    """slurm/preprocess.sbatch as SLURM would run it (array tasks, then the merge task)."""
+    env = subprocess_env(INPUT=str(shards), OUTPUT_PREFIX=str(tmp_path / "out"),
+                         TOKENIZER_TYPE="sentencepiece", TOKENIZER_MODEL=str(sp_model),
+                         EXTRA_ARGS="--append-eod", SLURM_CPUS_PER_TASK="1",
+                         PYTHON=sys.executable)
+    for task in ("0", "1"):
+        subprocess.run(["bash", "slurm/preprocess.sbatch"], cwd=ROOT, check=True, env={
+            **env, "SLURM_ARRAY_TASK_ID": task, "SLURM_ARRAY_TASK_COUNT": "2"},
+            capture_output=True, timeout=120)
+    subprocess.run(["bash", "slurm/preprocess_merge.sbatch"], cwd=ROOT, check=True, env=env,
+                   capture_output=True, timeout=120)
+    assert output_bytes(tmp_path / "out_text_document") == reference
+
+
+def test_outputs_among_the_inputs_are_not_read_back(tmp_path, sp_model, tok):
+    # The input shares the output's name: it is read; our outputs beside it are not.
+    write(tmp_path / "out.jsonl", jsonl_bytes([{"text": "only document"}]))
+    for _ in range(2):  # the second run sees out.stats.json (a .json) in the input folder
+        stats = run([tmp_path], tmp_path / "out", sp_model, keep_parts=True)
+    assert stats["shards"] == 1
+    assert read_documents(stats["outputs"]["text"]) == expected_ids(tok, ["only document"])

@@ -1,0 +1,86 @@
+"""Tokenize text shards into Megatron .bin/.idx files (parallel, streaming, resumable).
+
+    python tools/preprocess_data.py --input 'corpus/*.jsonl.zst' --json-keys text \\
+        --output-prefix data/corpus --tokenizer-type sentencepiece \\
+        --tokenizer-model tokenizer/stem.model --append-eod --workers 16
+
+writes data/corpus_text_document.{bin,idx} (Megatron-LM's naming), data/corpus.stats.json
+and, when records were skipped, data/corpus.errors.log. Rerunning an interrupted command
+resumes it. See README.md, "Data preparation".
+"""
+
+import argparse
+import os
+import signal
+import sys
+
+from megatron_stem.data.preprocess import PreprocessConfig, format_summary, preprocess
+from megatron_stem.errors import UserError
+
+
+def parse_args(argv=None) -> PreprocessConfig:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    io = ap.add_argument_group("input and output")
+    io.add_argument("--input", nargs="+", required=True,
+                    help="files, globs or folders of .jsonl/.json/.txt[.gz|.zst] or .parquet")
+    io.add_argument("--json-keys", nargs="+", default=["text"],
+                    help="text field(s) (Parquet: columns); one output per key")
+    io.add_argument("--output-prefix", required=True,
+                    help="writes <prefix>_<key>_document.bin/.idx and <prefix>.stats.json")
+    tok = ap.add_argument_group("tokenizer (local files only)")
+    tok.add_argument("--tokenizer-type", required=True,
+                     help="sentencepiece or huggingface (Megatron-LM's names also work)")
+    tok.add_argument("--tokenizer-model", required=True,
+                     help="SentencePiece .model, or Hugging Face tokenizer.json (or its folder)")
+    tok.add_argument("--append-eod", action="store_true",
+                     help="end every document with the tokenizer's end-of-document token")
+    run = ap.add_argument_group("running")
+    run.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                     help="tokenizing processes (default: the CPUs available)")
+    run.add_argument("--on-error", choices=["skip", "fail"], default="skip",
+                     help="bad records: count, log and skip them, or stop at the first")
+    run.add_argument("--log-interval", type=float, default=10.0,
+                     help="seconds between progress lines when not on a terminal")
+    run.add_argument("--chunk-size-mb", type=float, default=None,
+                     help="MiB of text per unit of work and of resume (default: a 16th of "
+                          "each file, 1 to 32 MiB); the output does not depend on it")
+    run.add_argument("--keep-parts", action="store_true",
+                     help="keep <prefix>.parts/ (the per-chunk token files) after merging")
+    array = ap.add_argument_group("SLURM arrays (see slurm/preprocess.sh)")
+    array.add_argument("--num-groups", type=int, default=1,
+                       help="split the input files into this many groups ...")
+    array.add_argument("--group-index", type=int, default=0,
+                       help="... and process only this one (then run --merge-only)")
+    array.add_argument("--merge-only", action="store_true",
+                       help="merge the groups' finished parts into the outputs")
+    a = ap.parse_args(argv)
+    return PreprocessConfig(
+        inputs=a.input, output_prefix=a.output_prefix, tokenizer_type=a.tokenizer_type,
+        tokenizer_model=a.tokenizer_model, json_keys=a.json_keys, append_eod=a.append_eod,
+        workers=a.workers, on_error=a.on_error,
+        chunk_bytes=None if a.chunk_size_mb is None else int(a.chunk_size_mb * (1 << 20)),
+        log_interval=a.log_interval, group_index=a.group_index, num_groups=a.num_groups,
+        merge_only=a.merge_only, keep_parts=a.keep_parts)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM (scancel, preemption) stops like Ctrl-C: cleanly
+
+
+def main(argv=None) -> int:
+    cfg = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        stats = preprocess(cfg)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    print(format_summary(stats))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
