@@ -30,8 +30,6 @@
 #   STEM_TRAIN_MODULE     the Python module torchrun runs (default: megatron_stem.train)
 # NCCL_* / TORCH_NCCL_* variables already set are kept (see "NCCL defaults" below).
 
-set -uo pipefail
-
 stem_log() { echo "stem: $*"; }
 stem_die() { echo "stem: error: $*" >&2; exit 2; }
 
@@ -42,7 +40,8 @@ STEM_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 _stem_t0=$SECONDS
 _stem_restart=${SLURM_RESTART_COUNT:-0}
 
-# --- software environment -----------------------------------------------------------
+# --- software environment (before `set -u`: module, conda and site scripts often read
+# unset variables) -------------------------------------------------------------------------
 if [[ -n ${STEM_MODULES:-} ]]; then
     type module >/dev/null 2>&1 || source /etc/profile >/dev/null 2>&1
     type module >/dev/null 2>&1 || stem_die "STEM_MODULES is set but this shell has no 'module' command"
@@ -60,12 +59,13 @@ if [[ -n $_stem_venv ]]; then
     # shellcheck disable=SC1091
     source "$_stem_venv/bin/activate"
 fi
+set -uo pipefail
 # This checkout's code runs, whatever copy of megatron_stem the environment has installed.
 export PYTHONPATH=$STEM_ROOT${PYTHONPATH:+:$PYTHONPATH}
 _stem_module=${STEM_TRAIN_MODULE:-megatron_stem.train}
 python -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('torch') and u.find_spec('${_stem_module%%.*}')))" \
-    2>/dev/null || stem_die "$(command -v python || echo python) cannot import torch and " \
-    "${_stem_module%%.*}: set STEM_VENV (a virtualenv with requirements.txt installed) or STEM_MODULES"
+    2>/dev/null || stem_die "$(command -v python || echo python) cannot import torch and ${_stem_module%%.*}:" \
+    "set STEM_VENV (a virtualenv with requirements.txt installed), STEM_MODULES or STEM_SETUP"
 
 # --- layout: nodes, ranks, rendezvous --------------------------------------------------
 _stem_nnodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
@@ -119,6 +119,7 @@ _stem_args+=("${_stem_overrides[@]}")
 export STEM_SHUTDOWN_TIMEOUT=${STEM_SHUTDOWN_TIMEOUT:-600}
 export STEM_STOP_MARKER=$_stem_job_dir/stopped.$_stem_restart
 rm -f "$STEM_STOP_MARKER".*
+# shellcheck disable=SC2054  # the commas are torchrun's
 _stem_torchrun=(
     --nnodes="$_stem_nnodes" --nproc-per-node="$_stem_procs"
     --rdzv-backend=c10d --rdzv-endpoint="$_stem_master:$_stem_port"
@@ -130,6 +131,7 @@ _stem_torchrun=(
 )
 # Run by srun once per node. Node 0 (the first host) hosts the rendezvous store: chosen by
 # node id, not by matching host names.
+# shellcheck disable=SC2016  # expanded by the per-node bash
 _stem_node_cmd='echo "stem: node $SLURM_NODEID/$SLURM_NNODES is $(hostname): torchrun with '"$_stem_procs"' rank(s)"
 exec python "$0" --rdzv-conf="is_host=$((SLURM_NODEID == 0)),read_timeout=300" "$@"'
 

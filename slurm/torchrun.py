@@ -5,15 +5,12 @@ save and exit (`--shutdown-timeout`), then dies with a SignalException traceback
 code 1, which `srun --kill-on-bad-exit` would take for a crash. A stop is routine under
 SLURM, so on SignalException this wrapper instead
 
-- ignores further stop signals and waits for any rank still running (a second signal
-  would otherwise cut torchrun's wait short, and SLURM kills what is left of a step when
-  its task exits: ranks still writing a checkpoint would die);
+- ignores further stop signals and waits for any rank still running (repeated signals,
+  e.g. a second SIGUSR1 and then SLURM's SIGTERM, cut torchrun's own wait short, and SLURM
+  kills what is left of a step when its task exits: ranks still writing a checkpoint
+  would die);
 - prints one line; on SIGUSR1 (stop to be requeued) touches `$STEM_STOP_MARKER.<host>` so
   the batch script knows the ranks stopped, and exits 0; on other signals exits 128+signal.
-
-After a normal finish, the node hosting the rendezvous store (`is_host=1`) stays a few
-seconds longer: the other nodes' torchruns close the rendezvous through that store as they
-exit, and log a TCPStore error with a C++ stack when it is already gone.
 """
 
 import os
@@ -27,7 +24,6 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.run import main
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-STORE_LINGER_S = 5
 
 
 def _wait_for_children(timeout: float) -> None:
@@ -56,8 +52,6 @@ def run() -> int:
                 Path(f"{marker}.{host}").touch()
             return 0
         return 128 + int(e.sigval)
-    if any(arg.startswith("--rdzv-conf") and "is_host=1" in arg for arg in sys.argv):
-        time.sleep(STORE_LINGER_S)
     return 0
 
 

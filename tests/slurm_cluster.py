@@ -60,12 +60,10 @@ def _run(*cmd, check=True, **kw) -> subprocess.CompletedProcess:
 
 def _pid_alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return False
-    except PermissionError:
-        return True
-    return True
+    return stat_line.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is gone too
 
 
 def _netns_pids(name: str) -> list[int]:
@@ -89,7 +87,25 @@ def _kill_netns(name: str) -> None:
 
 
 def remove_stale() -> None:
-    """Delete namespaces and bridges of harnesses whose owner process is gone."""
+    """Remove what harnesses whose owner process is gone left behind (a SIGKILLed pytest):
+    processes started from their temp dirs (munged), namespaces, bridges, temp dirs."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        m = re.search(rf"/{PREFIX}(\d+)-", cmd)
+        if m and not _pid_alive(int(m.group(1))):
+            try:
+                os.kill(int(proc.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for d in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
+        m = re.match(rf"^{PREFIX}(\d+)-", d.name)
+        if m and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(d, ignore_errors=True)
     for line in _run("ip", "netns", "list", check=False).stdout.splitlines():
         m = re.match(rf"^({PREFIX}(\d+)-\S+)", line)
         if m and not _pid_alive(int(m.group(2))):

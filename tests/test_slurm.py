@@ -135,7 +135,6 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, toy_data, tmp_p
     assert f"resuming from {ckpts / f'iter_{stop:07d}'}" in second
     assert steps_logged(second) == list(range(stop + 1, STEPS + 1)), second
     assert "stem: training finished" in second
-    assert "failed to shutdown the rendezvous" not in second  # slurm/torchrun.py's linger
     assert (ckpts / "latest").read_text().strip() == f"iter_{STEPS:07d}"
 
     # One TensorBoard run with every step exactly once, across the requeue.

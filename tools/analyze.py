@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from megatron_stem.errors import UserError
+from megatron_stem.errors import UserError, cli
 
 
 def _summary(report: dict) -> str:
@@ -75,6 +75,7 @@ def run(args) -> None:
     print(f"wrote {output}/analysis.json and plots")
 
 
+@cli
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
@@ -99,11 +100,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if (args.accuracy is None) != (args.dense_accuracy is None):
         ap.error("ROI needs both --accuracy and --dense-accuracy")
-    try:
-        run(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    run(args)
     return 0
 
 

@@ -12,21 +12,18 @@ import sys
 from train_worker import VocabOnlyTokenizer
 
 from megatron_stem.config import load_recipe
-from megatron_stem.errors import UserError
+from megatron_stem.errors import cli
 from megatron_stem.train import EXIT_REQUEUE, run
 
 
+@cli
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipe", required=True)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    try:
-        recipe = load_recipe(args.recipe, args.overrides)
-        result = run(recipe, VocabOnlyTokenizer(recipe.model.vocab_size))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    recipe = load_recipe(args.recipe, args.overrides)
+    result = run(recipe, VocabOnlyTokenizer(recipe.model.vocab_size))
     return EXIT_REQUEUE if result["preempted"] else 0
 
 
