@@ -476,8 +476,12 @@ def test_lm_eval_harness_runs_on_the_export_offline(cli_export, tmp_path):
              "answer": i % 3} for i, w in enumerate(["alpha", "beta", "gamma", "delta", "stem"])]
     (tasks / "data.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     (tasks / "my_local_task.yaml").write_text(readme_task_yaml(tasks / "data.jsonl"))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "HF_HOME": str(tmp_path / "hf_home"), "PYTHONWARNINGS": "ignore"}
+    # Without the torch.distributed variables that in-process tests (the `world1` fixture)
+    # leave in os.environ: lm-eval's accelerate would join that process group's port.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"),
+               PYTHONWARNINGS="ignore")
     proc = subprocess.run(
         [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
          f"pretrained={cli_export},trust_remote_code=True,stem_tables_on_cpu=True",
