@@ -8,9 +8,9 @@
    the device against a plain pinned copy of the same bytes.
 2. step: the real trainer step (DeepSpeed engine + table optimizer) with tables `device`
    (rows in place), `host` with prefetch (one micro-batch ahead), `host` staged on demand
-   (no overlap), taking turns step by step (min and median over steps). Overlap efficiency
-   = 1 - (forward's wait with prefetch) / (its wait on demand): the share of the staging
-   time hidden behind compute.
+   (no overlap); on a CPU the variants take turns step by step (noise from other jobs hits
+   them alike); fastest and median step. Overlap efficiency = 1 - (forward's wait with
+   prefetch) / (its wait on demand): the share of the staging time hidden behind compute.
 3. cache: micro-batches of real text (the shipped GCIDE corpus, SentencePiece ids):
    hit rates of the shipped policy (LFU, aging 0.99 per step) against pure LFU, LRU and a
    static top-k oracle (corpus frequencies), membership changing at step boundaries as
@@ -20,6 +20,7 @@
 
 import argparse
 import collections
+import gc
 import gzip
 import json
 import os
@@ -143,8 +144,7 @@ def bench_step(args, ids) -> None:
                 ("host, on demand", "host", 0, 0)]
     if args.cache_rows:
         variants.append((f"host, prefetch, cache {args.cache_rows}", "host", 1, args.cache_rows))
-    runs = {}
-    for name, placement, lookahead, cache in variants:
+    def build(placement, lookahead, cache):
         recipe = Recipe(model=model, train=TrainConfig(
             micro_batch_size=args.micro_batch, global_batch_size=args.global_batch,
             dtype=args.dtype), tables=TableOptimConfig(
@@ -155,26 +155,45 @@ def bench_step(args, ids) -> None:
         engine, tables, norms = build_engine(net, recipe)
         if tables.host is not None:
             tables.host.lookahead = lookahead
-        runs[name] = (engine, tables, norms, [])
-    # Variants take turns step by step, so load from elsewhere hits them alike.
-    for i, mbs in enumerate(steps):
-        for name, (engine, tables, norms, times) in runs.items():
-            if i == 1:
-                tables.host_stats()  # the first step allocates state: not measured
-            start = time.perf_counter()
-            train_step(engine, tables, mbs)
-            tables.step(1e-3, clip_coefficient(norms, 1.0))
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            if i:
-                times.append(time.perf_counter() - start)
-    results = {}
-    for name, (engine, tables, norms, times) in runs.items():
-        results[name] = (min(times), statistics.median(times), tables.host_stats())
+        return engine, tables, norms, []
+
+    def one_step(run, i, mbs):
+        engine, tables, norms, times = run
+        if i == 1:
+            tables.host_stats()  # the first step allocates state: not measured
+        start = time.perf_counter()
+        train_step(engine, tables, mbs)
+        tables.step(1e-3, clip_coefficient(norms, 1.0))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - start)
+
+    def finish(run):
+        _, tables, _, times = run
+        result = (min(times), statistics.median(times), tables.host_stats())
         tables.close()
+        return result
+
+    results = {}
+    if torch.cuda.is_available():  # one variant at a time: a 1B shape's copies are large
+        for name, *variant in variants:
+            run = build(*variant)
+            for i, mbs in enumerate(steps):
+                one_step(run, i, mbs)
+            results[name] = finish(run)
+            del run
+            gc.collect()
+            torch.cuda.empty_cache()
+    else:  # variants take turns step by step, so load from other jobs hits them alike
+        runs = {name: build(*variant) for name, *variant in variants}
+        for i, mbs in enumerate(steps):
+            for run in runs.values():
+                one_step(run, i, mbs)
+        results = {name: finish(run) for name, run in runs.items()}
     print(f"step: d={args.hidden} layers={args.layers} stem={args.stem_layers} d_ff={args.ffn} "
           f"vocab={model.vocab_size} {per_step} micro-batches of {args.micro_batch} x {args.seq} "
-          f"text tokens, {args.update}, {args.dtype}, median of {args.steps} steps")
+          f"text tokens, {args.update}, {args.dtype}, {args.steps} steps")
     base = results["device"][0]
     print(f"{'tables':<30}{'s/step min':>11}{'median':>8}{'vs device':>11}{'wait ms/step':>14}"
           f"{'MiB h2d/step':>14}{'hits':>7}")

@@ -15,10 +15,10 @@ IS the fp32 master (one copy per node, shared by the node's ranks, with its Adam
 The row gradients come from the store's staged rows instead of sparse grads, and the rows
 are owned for the update: the ranks sharing a copy split its rows (`lazy`: row % ranks,
 balanced under Zipfian ids; `dense`: contiguous ranges, so each update is one slice).
-`sync_grads` reduces each row's gradient to its owner only (a reduce-scatter over the
-sharers, then an all-reduce of the owned rows among the owners of the same rows on other
-copies); the owner updates the shared copy, so nothing is broadcast and no CPU work or
-memory is duplicated per GPU.
+`sync_grads` reduces each row's gradient to its owner only (one reduce per owner over the
+sharers: a reduce-scatter, in collectives gloo has too; then an all-reduce of the owned
+rows among the owners of the same rows on other copies); the owner updates the shared
+copy, so nothing is broadcast and no CPU work or memory is duplicated per GPU.
 
 Update semantics (`TableOptimConfig.update`):
 * `dense`: AdamW on every row every step, untouched rows with a zero gradient (the
