@@ -27,7 +27,6 @@
 #   STEM_SETUP            a shell file to source for site settings (conda, NCCL_IB_*, ...)
 #   STEM_MASTER_PORT      rendezvous port on the first node (default: 20000 + job id % 20000)
 #   STEM_SHUTDOWN_TIMEOUT seconds the ranks get to save after a stop signal (default: 600)
-#   STEM_TRAIN_MODULE     the Python module torchrun runs (default: megatron_stem.train)
 # NCCL_* / TORCH_NCCL_* variables already set are kept (see "NCCL defaults" below).
 
 stem_log() { echo "stem: $*"; }
@@ -62,9 +61,8 @@ fi
 set -uo pipefail
 # This checkout's code runs, whatever copy of megatron_stem the environment has installed.
 export PYTHONPATH=$STEM_ROOT${PYTHONPATH:+:$PYTHONPATH}
-_stem_module=${STEM_TRAIN_MODULE:-megatron_stem.train}
-python -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('torch') and u.find_spec('${_stem_module%%.*}')))" \
-    2>/dev/null || stem_die "$(command -v python || echo python) cannot import torch and ${_stem_module%%.*}:" \
+python -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('torch') and u.find_spec('deepspeed')))" \
+    2>/dev/null || stem_die "$(command -v python || echo python) cannot import torch and deepspeed:" \
     "set STEM_VENV (a virtualenv with requirements.txt installed), STEM_MODULES or STEM_SETUP"
 
 # --- layout: nodes, ranks, rendezvous --------------------------------------------------
@@ -127,7 +125,7 @@ _stem_torchrun=(
     # forwarded to the ranks, which get this long to finish the step, save and exit
     --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
     --shutdown-timeout="$STEM_SHUTDOWN_TIMEOUT"
-    -m "$_stem_module" "${_stem_args[@]}"
+    -m megatron_stem.train "${_stem_args[@]}"
 )
 # Run by srun once per node. Node 0 (the first host) hosts the rendezvous store: chosen by
 # node id, not by matching host names.
