@@ -25,8 +25,9 @@ from slurm_cluster import SlurmCluster, _netns_pids, missing_tools
 if os.environ.get("STEM_SKIP_SLURM_TESTS") == "1":
     pytest.skip("STEM_SKIP_SLURM_TESTS=1", allow_module_level=True)
 
-# Steps of the preempted job: the stop must land mid-run (~0.25 s/step on 2 idle cores).
-STEPS = 24
+# Steps of the preempted job: the stop must land mid-run (~0.25 s/step on 2 idle cores;
+# the stop takes about a second to reach the ranks).
+STEPS = 40
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +103,11 @@ def steps_logged(text: str) -> list[int]:
 def test_preempted_job_checkpoints_requeues_and_resumes(cluster, corpus_data, tmp_path):
     t0 = time.monotonic()
     job, log = submit(cluster, tmp_path, corpus_data, STEPS)
-    wait_for_log(cluster, job, log, rf"^step 3/{STEPS} ", timeout=300)
+    wait_for_log(cluster, job, log, rf"^step 3/{STEPS} ", timeout=420)
     # What `#SBATCH --signal=B:USR1@300` does near the time limit: USR1 to the batch shell.
     cluster.run("scancel", "--signal=USR1", "--batch", job)
     info = cluster.wait_job(job, lambda i: i.get("JobState") in (
-        "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=400)
+        "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=600)
     text = log.read_text()
     elapsed = time.monotonic() - t0
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text
@@ -125,7 +126,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, corpus_data, tm
     assert f"step {stop} | stop signal: checkpoint saved, exiting for requeue" in first
     assert "stem: node1: ranks stopped by SIGUSR1" in first
     assert "stem: node2: ranks stopped by SIGUSR1" in first
-    assert f"latest checkpoint: iter_{stop:07d}; requeueing job {job}" in first
+    assert f"latest checkpoint: iter_{stop:07d}; requeueing job {job} (restart 1" in first
     assert "Traceback" not in text and "FAILED" not in text
     ckpts = tmp_path / "runs" / "stem-1b" / "checkpoints"
     assert (ckpts / f"iter_{stop:07d}" / "COMPLETE").is_file()
@@ -160,7 +161,7 @@ def trainer_pids(cluster, node: str) -> list[int]:
 
 def test_a_dead_rank_ends_the_job_promptly_with_a_clear_message(cluster, corpus_data, tmp_path):
     job, log = submit(cluster, tmp_path, corpus_data, 2000, "--time=10")
-    wait_for_log(cluster, job, log, r"^step 2/", timeout=300)
+    wait_for_log(cluster, job, log, r"^step 2/", timeout=420)
     pids = trainer_pids(cluster, "node2")
     assert len(pids) == 1, pids
     os.kill(pids[0], signal.SIGKILL)
