@@ -1,8 +1,11 @@
 """The one exception type for mistakes a user can fix (bad recipe, missing file, ...).
 
-CLIs catch it and print its message as a single line; anything else is a bug and keeps
-its traceback.
+CLIs (`@cli` on their `main`) print its message as a single line and exit 2; anything else
+is a bug and keeps its traceback.
 """
+
+import functools
+import sys
 
 
 class UserError(Exception):
@@ -11,3 +14,17 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A recipe or config field is unknown, mistyped or inconsistent."""
+
+
+def cli(main):
+    """Decorate a CLI's `main`: a `UserError` becomes `error: <message>` on stderr, exit 2."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+
+    return wrapper

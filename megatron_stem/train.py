@@ -22,7 +22,7 @@ from megatron.core import parallel_state as ps
 from megatron_stem import checkpoint
 from megatron_stem.accounting import account
 from megatron_stem.config import Recipe, load_recipe
-from megatron_stem.errors import ConfigError, UserError
+from megatron_stem.errors import ConfigError, UserError, cli
 from megatron_stem.model import build_model
 from megatron_stem.parallel import destroy_distributed, device, init_distributed
 from megatron_stem.training.data import StepBatches, build_datasets, check_prefixes
@@ -242,17 +242,14 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
         destroy_distributed()
 
 
+@cli
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_stem.train",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", required=True, help="a YAML file in recipes/")
     parser.add_argument("overrides", nargs="*", help="section.field=value (YAML values)")
     args = parser.parse_args(argv)
-    try:
-        result = run(load_recipe(args.recipe, args.overrides))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    result = run(load_recipe(args.recipe, args.overrides))
     return EXIT_REQUEUE if result["preempted"] else 0
 
 

@@ -289,6 +289,36 @@ PROMPTS = ["the capital of Spain is", "United States has its capital in",
            "the capital of Peru is", "the capital of snow is", "the sky is"]
 
 
+def test_hf_stem_ids_have_the_megatron_semantics():
+    """[b, s] or [layers, b, s]; a remapped lookup equals copying the row; positions past
+    the given ids (generated tokens) read their own rows; a wrong shape says so."""
+    from megatron_stem.hf.remote.configuration_stem import StemConfig
+    from megatron_stem.hf.remote.modeling_stem import StemForCausalLM
+
+    torch.manual_seed(0)
+    model = StemForCausalLM(StemConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=3, num_attention_heads=4,
+                                       stem_layers=[1, 2])).eval()
+    ids = torch.randint(0, 49, (2, 9), generator=torch.Generator().manual_seed(1))
+    x, z = 49, 7
+    ids[0, 2] = ids[1, 4] = x  # x occurs in the prompt part only
+    per_layer = torch.stack([ids, ids, torch.where(ids == x, z, ids)])
+    with torch.no_grad():
+        plain = model(ids).logits
+        assert torch.equal(model(ids, stem_ids=ids).logits, plain)
+        edited = model(ids, stem_ids=per_layer).logits
+        # Cached decoding: the prompt's ids cover positions 0..5, later ones read their own.
+        prompt = model(ids[:, :6], stem_ids=per_layer[..., :6], use_cache=True)
+        step = model(ids[:, 6:], stem_ids=per_layer[..., :6], cache=prompt.cache)
+        table = model.model.layers[2].mlp.table.weight
+        table[x] = table[z]
+        torch.testing.assert_close(model(ids).logits, edited)
+        torch.testing.assert_close(step.logits, edited[:, 6:])
+        with pytest.raises(ValueError, match=r"stem_ids must be \[batch, seq\] or "
+                                             r"\[num_hidden_layers=3, batch, seq\]"):
+            model(ids, stem_ids=per_layer[:2])
+
+
 @pytest.fixture(scope="module")
 def exported(facts_models, tmp_path_factory):
     from megatron_stem.hf.export import export
@@ -434,3 +464,27 @@ def test_cli_user_errors_are_one_line(facts_models, tmp_path, capsys):
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith(f"error: {spec}: not valid YAML")
+
+
+def test_a_bf16_checkpoint_is_edited_in_fp32_and_saved_as_bf16(world1, tmp_path):
+    from megatron_stem import checkpoint
+    from megatron_stem.config import ParallelConfig, Recipe
+    from megatron_stem.hf.dist_io import CheckpointReader
+    from megatron_stem.model import build_model
+    from workers.common import tiny_model
+
+    cfg = tiny_model("1/2")
+    model = build_model(cfg, ParallelConfig(), params_dtype=torch.bfloat16)
+    with checkpoint.Writer(tmp_path / "bf16", 5, Recipe(model=cfg)) as folder:
+        checkpoint.save_model(model, folder)
+    with MegatronBackend(tmp_path / "bf16") as backend:
+        assert backend.table(1).dtype == torch.float32
+        assert torch.equal(backend.table(1), model.decoder.layers[1].mlp.table.weight.float())
+        row = torch.randn(1, cfg.ffn_hidden_size)
+        backend.write_rows(1, [7], row)
+        saved = backend.save(tmp_path / "edited")
+        assert backend.table(1).dtype == torch.float32
+    reader = CheckpointReader(saved / checkpoint.MODEL)
+    table = reader.read("decoder.layers.1.mlp.table.weight")
+    assert table.dtype == torch.bfloat16 and torch.equal(table[7], row[0].bfloat16())
+    assert saved.name == "iter_0000005"

@@ -26,7 +26,7 @@ from megatron_stem.editing.inject import apply_writes, inject_writes
 from megatron_stem.editing.remap import bake_writes, find_occurrences
 from megatron_stem.editing.resolve import resolve
 from megatron_stem.editing.spec import load_edits
-from megatron_stem.errors import UserError
+from megatron_stem.errors import cli
 
 
 def _top(logprobs, k, tokenizer) -> str:
@@ -87,6 +87,7 @@ def run(args) -> None:
             print(f"wrote {backend.save(Path(args.output))}")
 
 
+@cli
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
@@ -111,11 +112,7 @@ def main(argv=None) -> int:
         ap.error("nothing to do: give --edits and/or --eval")
     if args.edits and not (args.prompt or args.output):
         ap.error("--edits needs --prompt to show and/or --output to write")
-    try:
-        run(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    run(args)
     return 0
 
 

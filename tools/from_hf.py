@@ -10,21 +10,18 @@ start afresh. Exporting the result again gives the same HF tensors bit for bit.
 import argparse
 import sys
 
-from megatron_stem.errors import UserError
+from megatron_stem.errors import cli
 from megatron_stem.hf.import_ import import_hf
 
 
+@cli
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hf", required=True, help="HF model folder written by tools/to_hf.py")
     ap.add_argument("--save-dir", required=True, help="checkpoint save dir to write into")
     ap.add_argument("--step", type=int, default=0, help="iteration number of the checkpoint")
     args = ap.parse_args(argv)
-    try:
-        out = import_hf(args.hf, args.save_dir, args.step)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    out = import_hf(args.hf, args.save_dir, args.step)
     print(f"wrote {out}")
     return 0
 

@@ -15,7 +15,7 @@ import signal
 import sys
 
 from megatron_stem.data.preprocess import PreprocessConfig, format_summary, preprocess
-from megatron_stem.errors import UserError
+from megatron_stem.errors import cli
 
 
 def parse_args(argv=None) -> PreprocessConfig:
@@ -67,14 +67,12 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt  # SIGTERM (scancel, preemption) stops like Ctrl-C: cleanly
 
 
+@cli
 def main(argv=None) -> int:
     cfg = parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         stats = preprocess(cfg)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("interrupted; rerun the same command to resume", file=sys.stderr)
         return 130

@@ -13,10 +13,11 @@ import argparse
 import sys
 import warnings
 
-from megatron_stem.errors import UserError
+from megatron_stem.errors import cli
 from megatron_stem.hf.export import DEFAULT_SHARD_BYTES, DTYPES, ExportWarning, export
 
 
+@cli
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="save dir or iter_N checkpoint folder")
@@ -28,14 +29,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-shard-gb", type=float, default=DEFAULT_SHARD_BYTES / 2**30,
                     help="largest safetensors file (a bigger tensor gets a file of its own)")
     args = ap.parse_args(argv)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", ExportWarning)
-            out = export(args.checkpoint, args.output, args.dtype, args.tokenizer,
-                         int(args.max_shard_gb * 2**30))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ExportWarning)
+        out = export(args.checkpoint, args.output, args.dtype, args.tokenizer,
+                     int(args.max_shard_gb * 2**30))
     for w in caught:  # ours as one line each, anything else as Python shows it
         if issubclass(w.category, ExportWarning):
             print(f"warning: {w.message}", file=sys.stderr)

@@ -13,7 +13,7 @@ import os
 import sys
 
 from megatron_stem.data.tokenizer_training import TokenizerTrainingConfig, train_sentencepiece
-from megatron_stem.errors import UserError
+from megatron_stem.errors import cli
 from megatron_stem.tokenizer import load_tokenizer
 
 
@@ -39,14 +39,11 @@ def parse_args(argv=None) -> TokenizerTrainingConfig:
         threads=a.workers, user_defined_symbols=a.user_defined_symbols)
 
 
+@cli
 def main(argv=None) -> int:
     cfg = parse_args(argv)
-    try:
-        info = train_sentencepiece(cfg)
-        tok = load_tokenizer("sentencepiece", info["model"])
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    info = train_sentencepiece(cfg)
+    tok = load_tokenizer("sentencepiece", info["model"])
     print(f"wrote {info['model']}: vocab {tok.vocab_size:,}, eod (</s>) {tok.eod}, "
           f"bos {tok.bos}, pad {tok.pad}; trained on {info['documents_sampled']:,} of "
           f"{info['documents_seen']:,} documents")

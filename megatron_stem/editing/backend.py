@@ -130,6 +130,8 @@ class MegatronBackend(Backend):
     def __init__(self, path: str | Path):
         from megatron_stem import checkpoint
         from megatron_stem.config import ParallelConfig
+        from megatron_stem.hf import names
+        from megatron_stem.hf.dist_io import CheckpointReader
         from megatron_stem.hf.export import read_model_config
         from megatron_stem.model import build_model
 
@@ -137,6 +139,10 @@ class MegatronBackend(Backend):
         self.source = checkpoint.resolve(path)
         self.config = read_model_config(self.source)
         self.recipe = checkpoint.read_recipe(self.source)
+        # Computed in fp32 whatever is stored (a bf16 checkpoint loads into fp32 exactly);
+        # `save` writes the stored dtype back.
+        self.stored_dtype = CheckpointReader(self.source / checkpoint.MODEL).dtype(
+            names.tensor_map(self.config)[0].megatron)
         self._owns_world = _join_world()
         try:
             self.net = build_model(self.config, ParallelConfig())
@@ -183,8 +189,12 @@ class MegatronBackend(Backend):
             raise UserError(f"{output}: already exists; remove it or choose another --output")
         step = int(self.source.name.split("_")[-1]) if self.source.name.startswith("iter_") \
             else 0
-        with checkpoint.Writer(output, step, self.recipe) as folder:
-            checkpoint.save_model(self.net, folder)
+        self.net.to(self.stored_dtype)
+        try:
+            with checkpoint.Writer(output, step, self.recipe) as folder:
+                checkpoint.save_model(self.net, folder)
+        finally:
+            self.net.to(torch.float32)
         return output / checkpoint.iter_name(step)
 
     def close(self):

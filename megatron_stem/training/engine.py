@@ -4,7 +4,8 @@ The DeepSpeed engine owns every parameter but the tables: ZeRO-1/2 partitions th
 optimizer states (and, at stage 2, gradients) over data parallel, optionally offloaded to
 CPU. The tables are trained by `TableOptimizer` (row-sparse, CPU-resident states).
 Gradient clipping uses one global norm over both: the engine's ZeRO optimizer is handed
-the tables' share of the norm (see `_include_tables_in_grad_norm`).
+the tables' share of the norm (see `_include_tables_in_grad_norm`). Host-resident tables
+(`tables.placement: host`) stay out of the engine's reach and get a `HostTableStore`.
 """
 
 from __future__ import annotations

@@ -29,10 +29,10 @@ Ordering guarantee (an update must land before its row is staged again):
 * `stage()` for the next step is refused between `take_row_grads()` (the step's gradients
   were taken) and `rows_changed()`, which `TableOptimizer.step()` calls after every owner
   of a shared copy has written its rows (a barrier over the copy's ranks).
-* Within a step the worker only runs what `stage()` and `rows_changed()` queued, in order,
-  on one thread (and one CUDA stream): the cache refresh after step k runs before the
-  first gather of step k+1, and nothing reads a table while `step()` writes it (`step()`
-  checks that the worker is idle).
+* The worker only runs what `stage()` and `rows_changed()` queued, in order, on one
+  thread (and one CUDA stream): the cache refresh after step k runs before the first
+  gather of step k+1, and nothing reads a table while `step()` writes it (`step()` first
+  waits until the worker is idle).
 So every micro-batch of step k+1 sees every update of step k, and no micro-batch of step
 k sees an update of step k (gradient accumulation reads one version of the tables).
 """
@@ -112,6 +112,7 @@ class _Staged:
 @dataclass(eq=False)
 class _Entry:
     tokens: torch.Tensor  # the micro-batch's ids as given to the model (kept alive: its key)
+    ids: torch.Tensor  # the same on the CPU
     requires_grad: bool
     position: int  # in the step's order
     future: Optional[Future] = None
@@ -158,7 +159,7 @@ class HostTableStore:
 
     def __init__(self, tables: list, device: torch.device, dtype: torch.dtype,
                  cache_rows: int = 0, gather_threads: int = 4, lookahead: int = 1,
-                 cache_decay: float = 0.9):
+                 cache_decay: float = 0.99):
         self.modules = list(tables)
         self.hosts = [m.weight.data for m in self.modules]
         self.index = {id(m): i for i, m in enumerate(self.modules)}
@@ -203,7 +204,10 @@ class HostTableStore:
         for mb in microbatches:
             tokens = mb["tokens"]
             if tokens.data_ptr() not in self._by_key:  # the same tensor twice: one staging
-                entry = _Entry(tokens, requires_grad, len(self._entries))
+                # To the CPU here, on the compute stream that produced the ids (the worker's
+                # stream does not wait for it).
+                entry = _Entry(tokens, tokens.to("cpu", torch.long), requires_grad,
+                               len(self._entries))
                 self._by_key[tokens.data_ptr()] = entry
                 self._entries.append(entry)
         self._submit_through(self.lookahead - 1)
@@ -315,7 +319,7 @@ class HostTableStore:
     def _submit_through(self, position: int) -> None:
         while self._submitted <= min(position, len(self._entries) - 1):
             entry = self._entries[self._submitted]
-            entry.future = self._submit(self._stage_one, entry.tokens, entry.requires_grad)
+            entry.future = self._submit(self._stage_one, entry.ids, entry.requires_grad)
             self._submitted += 1
 
     def _buffer(self) -> _StagingBuffer:
@@ -341,9 +345,9 @@ class HostTableStore:
     def _on_side_stream(self):
         return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
 
-    def _stage_one(self, tokens: torch.Tensor, requires_grad: bool) -> _Staged:
+    def _stage_one(self, token_ids: torch.Tensor, requires_grad: bool) -> _Staged:
         with self._on_side_stream():
-            ids, where = torch.unique(tokens.to("cpu", torch.long), return_inverse=True)
+            ids, where = torch.unique(token_ids, return_inverse=True)
             inverse = where.to(self.device, non_blocking=True)
             if self.cache is None:
                 fetched = self._to_device(ids)

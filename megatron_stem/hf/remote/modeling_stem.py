@@ -216,10 +216,10 @@ class HostRowStager:
             return None
         key = (tuple(devices), tuple((t.weight.dtype, t.weight._version) for t in tables))
         if key != self._key:  # first use, moved, cast or edited: start over
-            vocab, width = tables[0].weight.shape
+            vocab = tables[0].weight.shape[0]
             self.cache = RowCache(vocab, min(self.cache_rows, vocab),
                                   [t.weight.shape[1] for t in tables], tables[0].weight.dtype,
-                                  devices, decay=0.99)
+                                  devices)
             self._key = key
             for device in devices:  # zero-filled on the compute stream, written on ours
                 if device.type == "cuda":
