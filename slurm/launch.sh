@@ -27,7 +27,6 @@
 #   STEM_SETUP            a shell file to source for site settings (conda, NCCL_IB_*, ...)
 #   STEM_MASTER_PORT      rendezvous port on the first node (default: 20000 + job id % 20000)
 #   STEM_SHUTDOWN_TIMEOUT seconds the ranks get to save after a stop signal (default: 600)
-#   STEM_TRAIN_MODULE     the Python module torchrun runs (default: megatron_stem.train)
 # NCCL_* / TORCH_NCCL_* variables already set are kept (see "NCCL defaults" below).
 
 stem_log() { echo "stem: $*"; }
@@ -39,6 +38,24 @@ stem_die() { echo "stem: error: $*" >&2; exit 2; }
 STEM_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 _stem_t0=$SECONDS
 _stem_restart=${SLURM_RESTART_COUNT:-0}
+
+# --- signals (first: a stop can come at any time) -------------------------------------------
+_stem_stop=0
+_stem_requeueing=0
+_stem_on_usr1() {
+    (( _stem_stop )) && return
+    _stem_stop=1
+    stem_log "SIGUSR1 (time limit near, or a manual stop): every rank saves a checkpoint and stops; then the job is requeued"
+    # Every process of the job's steps (torchrun and the ranks), not this batch shell.
+    scancel --signal=USR1 "$SLURM_JOB_ID" ||
+        stem_log "warning: scancel --signal=USR1 $SLURM_JOB_ID failed"
+}
+_stem_on_term() {
+    (( _stem_requeueing )) && return
+    stem_log "SIGTERM: SLURM is ending the job (scancel, preemption or time limit); ranks save a checkpoint if there is time"
+}
+trap _stem_on_usr1 USR1
+trap _stem_on_term TERM
 
 # --- software environment (before `set -u`: module, conda and site scripts often read
 # unset variables) -------------------------------------------------------------------------
@@ -62,9 +79,8 @@ fi
 set -uo pipefail
 # This checkout's code runs, whatever copy of megatron_stem the environment has installed.
 export PYTHONPATH=$STEM_ROOT${PYTHONPATH:+:$PYTHONPATH}
-_stem_module=${STEM_TRAIN_MODULE:-megatron_stem.train}
-python -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('torch') and u.find_spec('${_stem_module%%.*}')))" \
-    2>/dev/null || stem_die "$(command -v python || echo python) cannot import torch and ${_stem_module%%.*}:" \
+python -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('torch') and u.find_spec('deepspeed')))" \
+    2>/dev/null || stem_die "$(command -v python || echo python) cannot import torch and deepspeed:" \
     "set STEM_VENV (a virtualenv with requirements.txt installed), STEM_MODULES or STEM_SETUP"
 
 # --- layout: nodes, ranks, rendezvous --------------------------------------------------
@@ -127,7 +143,7 @@ _stem_torchrun=(
     # forwarded to the ranks, which get this long to finish the step, save and exit
     --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
     --shutdown-timeout="$STEM_SHUTDOWN_TIMEOUT"
-    -m "$_stem_module" "${_stem_args[@]}"
+    -m megatron_stem.train "${_stem_args[@]}"
 )
 # Run by srun once per node. Node 0 (the first host) hosts the rendezvous store: chosen by
 # node id, not by matching host names.
@@ -149,37 +165,22 @@ _stem_latest() { cat "$_stem_save_dir/latest" 2>/dev/null || echo "none"; }
 stem_log "job $SLURM_JOB_ID (restart $_stem_restart) $(date '+%F %T'): $_stem_nnodes node(s) x $_stem_procs rank(s) on $SLURM_JOB_NODELIST, rendezvous $_stem_master:$_stem_port"
 stem_log "recipe $_stem_recipe | checkpoints $_stem_save_dir (latest: $(_stem_latest)) | job files $_stem_job_dir"
 
-# --- signals ----------------------------------------------------------------------------
-_stem_stop=0
-_stem_requeueing=0
-_stem_on_usr1() {
-    (( _stem_stop )) && return
-    _stem_stop=1
-    stem_log "SIGUSR1 (time limit near, or a manual stop): every rank saves a checkpoint and stops; then the job is requeued"
-    # Every process of the job's steps (torchrun and the ranks), not this batch shell.
-    scancel --signal=USR1 "$SLURM_JOB_ID" ||
-        stem_log "warning: scancel --signal=USR1 $SLURM_JOB_ID failed"
-}
-_stem_on_term() {
-    (( _stem_requeueing )) && return
-    stem_log "SIGTERM: SLURM is ending the job (scancel, preemption or time limit); ranks save a checkpoint if there is time"
-}
-trap _stem_on_usr1 USR1
-trap _stem_on_term TERM
-
 # --- run ---------------------------------------------------------------------------------
-srun --kill-on-bad-exit=1 --nodes="$_stem_nnodes" --ntasks-per-node=1 \
-    --cpus-per-task="$_stem_cpus" bash -c "$_stem_node_cmd" "$STEM_ROOT/slurm/torchrun.py" "${_stem_torchrun[@]}" &
-_stem_srun=$!
-# `wait` returns early whenever a trapped signal arrives: keep waiting while srun lives.
 _stem_rc=0
-while kill -0 "$_stem_srun" 2>/dev/null; do
-    wait "$_stem_srun"
-    _stem_rc=$?
-done
-wait "$_stem_srun" 2>/dev/null
-_stem_r=$?
-(( _stem_r != 127 )) && _stem_rc=$_stem_r
+if (( ! _stem_stop )); then  # (a stop during the set-up: nothing to save, just requeue)
+    srun --kill-on-bad-exit=1 --nodes="$_stem_nnodes" --ntasks-per-node=1 \
+        --cpus-per-task="$_stem_cpus" bash -c "$_stem_node_cmd" "$STEM_ROOT/slurm/torchrun.py" \
+        "${_stem_torchrun[@]}" &
+    _stem_srun=$!
+    # `wait` returns early whenever a trapped signal arrives: keep waiting while srun lives.
+    while kill -0 "$_stem_srun" 2>/dev/null; do
+        wait "$_stem_srun"
+        _stem_rc=$?
+    done
+    wait "$_stem_srun" 2>/dev/null
+    _stem_r=$?
+    (( _stem_r != 127 )) && _stem_rc=$_stem_r
+fi
 
 _stem_elapsed=$(date -u -d "@$(( SECONDS - _stem_t0 ))" +%T)
 # A stop asked for through this script, or SIGUSR1 sent to the job steps directly
@@ -187,7 +188,7 @@ _stem_elapsed=$(date -u -d "@$(( SECONDS - _stem_t0 ))" +%T)
 compgen -G "$STEM_STOP_MARKER.*" >/dev/null && _stem_stop=1
 if (( _stem_stop )); then
     (( _stem_rc )) && stem_log "warning: srun exited with code $_stem_rc during the stop (see above); resuming from the last complete checkpoint"
-    stem_log "stopped after $_stem_elapsed; latest checkpoint: $(_stem_latest); requeueing job $SLURM_JOB_ID (restart $(( _stem_restart + 1 )) resumes from it)"
+    stem_log "stopped after $_stem_elapsed; latest checkpoint: $(_stem_latest); requeueing job $SLURM_JOB_ID (restart $(( _stem_restart + 1 )) resumes from the latest checkpoint)"
     _stem_requeueing=1
     if ! scontrol requeue "$SLURM_JOB_ID"; then
         stem_log "error: scontrol requeue $SLURM_JOB_ID failed (submitted with --no-requeue?); resubmit the same command to resume from $(_stem_latest)"

@@ -373,9 +373,11 @@ class SlurmCluster:
     # ------------------------------------------------------------------ clients
 
     def run(self, *cmd, check=True, env=None, **kw) -> subprocess.CompletedProcess:
-        """A SLURM client command (sbatch, scontrol, ...) against this cluster."""
+        """A SLURM client command (sbatch, scontrol, ...) against this cluster, in `env`
+        (default: this process's environment); sbatch passes it on to the job."""
+        env = {**(os.environ if env is None else env), "SLURM_CONF": self.env["SLURM_CONF"]}
         proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True,
-                              env={**self.env, **(env or {})}, **kw)
+                              env=env, **kw)
         if check and proc.returncode:
             raise ClusterError(f"{' '.join(map(str, cmd))} exited {proc.returncode}: "
                                f"{proc.stderr.strip()}")

@@ -4,30 +4,30 @@ tests/slurm_cluster.py brings up munged, slurmctld and two slurmd in their own n
 namespaces (needs root and Debian's slurm-wlm + munge, which .ci/run installs). The sbatch
 file runs unchanged, `--gpus-per-node=8` included (the test nodes advertise 8 GPUs); only
 environment knobs and sbatch flags turn it into a CPU job: the tiny recipe, one gloo rank
-per node, a few steps. Set STEM_SKIP_SLURM_TESTS=1 to skip (e.g. without root).
+per node, a few steps, data and tokenizer made from the shipped corpus. Set
+STEM_SKIP_SLURM_TESTS=1 to skip (e.g. without root).
 """
 
+import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
-from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from conftest import ROOT, WORKERS
+from conftest import ROOT, subprocess_env
 from slurm_cluster import SlurmCluster, _netns_pids, missing_tools
 
 if os.environ.get("STEM_SKIP_SLURM_TESTS") == "1":
     pytest.skip("STEM_SKIP_SLURM_TESTS=1", allow_module_level=True)
 
-VOCAB = 4096  # recipes/tiny_cpu.yaml
-# Steps of the preempted job: the stop must land mid-run (~0.25 s/step on 2 idle cores).
-STEPS = 24
+# Steps of the preempted job: the stop must land mid-run (~0.25 s/step on 2 idle cores;
+# the stop takes about a second to reach the ranks).
+STEPS = 40
 
 
 @pytest.fixture(scope="module")
@@ -43,25 +43,29 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def toy_data(tmp_path_factory):
-    """Arithmetic-progression documents, pre-tokenized (ids < 290, eod = VOCAB - 1)."""
-    prefix = str(tmp_path_factory.mktemp("slurm_data") / "toy")
-    rng = np.random.default_rng(0)
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
-    for _ in range(400):
-        start, stride, length = rng.integers(0, 290), rng.integers(1, 4), rng.integers(20, 200)
-        doc = np.append((start + stride * np.arange(length)) % 290, VOCAB - 1)
-        builder.add_document(torch.tensor(doc), [len(doc)])
-    builder.finalize(prefix + ".idx")
-    return prefix
+def corpus_data(tmp_path_factory, corpus_texts, sp_model):
+    """Part of the shipped corpus, tokenized by tools/preprocess_data.py: (prefix, model)."""
+    folder = tmp_path_factory.mktemp("slurm_data")
+    with open(folder / "docs.jsonl", "w") as f:
+        for text in corpus_texts:
+            f.write(json.dumps({"text": text}) + "\n")
+    subprocess.run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"),
+                    "--input", str(folder / "docs.jsonl"),
+                    "--output-prefix", str(folder / "gcide"), "--tokenizer-type",
+                    "sentencepiece", "--tokenizer-model", sp_model, "--append-eod",
+                    "--workers", "1"], check=True, capture_output=True, env=subprocess_env())
+    return str(folder / "gcide_text_document"), sp_model
 
 
-def submit(cluster, out: Path, data: str, steps: int, *flags: str) -> tuple[str, Path]:
+def submit(cluster, out: Path, data: tuple[str, str], steps: int,
+           *flags: str) -> tuple[str, Path]:
     """sbatch slurm/stem_1b.sbatch as a user would, with CPU knobs; (job id, log file)."""
     log = out / "job.out"
+    prefix, tokenizer = data
     env = {
         "STEM_RECIPE": "recipes/tiny_cpu.yaml",
-        "STEM_DATA": data,
+        "STEM_DATA": prefix,
+        "STEM_TOKENIZER": tokenizer,
         "STEM_OUTPUT": str(out / "runs"),
         "STEM_PROCS_PER_NODE": "1",
         "STEM_OVERRIDES": " ".join([
@@ -69,16 +73,12 @@ def submit(cluster, out: Path, data: str, steps: int, *flags: str) -> tuple[str,
             "train.log_interval=1", "train.eval_interval=1000", "train.eval_iters=1",
             "train.save_interval=1000", "train.dtype=fp32", "tables.kernel=torch",
             "optimizer.warmup_steps=2", "data.split=90,10,0"]),
-        # The CLI needs megatron_stem.tokenizer (another branch); until then the same CLI
-        # with a stand-in tokenizer for this pre-tokenized data.
-        "STEM_TRAIN_MODULE": "slurm_train",
-        "PYTHONPATH": str(WORKERS),
         "PYTHONWARNINGS": "ignore",
     }
     if sys.prefix != sys.base_prefix:
         env["STEM_VENV"] = sys.prefix
     job = cluster.sbatch("--nodes=2", f"--output={log}", *flags, "slurm/stem_1b.sbatch",
-                         env=env, cwd=ROOT)
+                         env=subprocess_env(**env), cwd=ROOT)
     return job, log
 
 
@@ -100,14 +100,14 @@ def steps_logged(text: str) -> list[int]:
     return [int(s) for s in re.findall(r"^step (\d+)/\d+ \| loss", text, re.M)]
 
 
-def test_preempted_job_checkpoints_requeues_and_resumes(cluster, toy_data, tmp_path):
+def test_preempted_job_checkpoints_requeues_and_resumes(cluster, corpus_data, tmp_path):
     t0 = time.monotonic()
-    job, log = submit(cluster, tmp_path, toy_data, STEPS)
-    wait_for_log(cluster, job, log, rf"^step 3/{STEPS} ", timeout=300)
+    job, log = submit(cluster, tmp_path, corpus_data, STEPS)
+    wait_for_log(cluster, job, log, rf"^step 3/{STEPS} ", timeout=420)
     # What `#SBATCH --signal=B:USR1@300` does near the time limit: USR1 to the batch shell.
     cluster.run("scancel", "--signal=USR1", "--batch", job)
     info = cluster.wait_job(job, lambda i: i.get("JobState") in (
-        "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=400)
+        "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=600)
     text = log.read_text()
     elapsed = time.monotonic() - t0
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text
@@ -126,7 +126,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, toy_data, tmp_p
     assert f"step {stop} | stop signal: checkpoint saved, exiting for requeue" in first
     assert "stem: node1: ranks stopped by SIGUSR1" in first
     assert "stem: node2: ranks stopped by SIGUSR1" in first
-    assert f"latest checkpoint: iter_{stop:07d}; requeueing job {job}" in first
+    assert f"latest checkpoint: iter_{stop:07d}; requeueing job {job} (restart 1" in first
     assert "Traceback" not in text and "FAILED" not in text
     ckpts = tmp_path / "runs" / "stem-1b" / "checkpoints"
     assert (ckpts / f"iter_{stop:07d}" / "COMPLETE").is_file()
@@ -154,14 +154,14 @@ def trainer_pids(cluster, node: str) -> list[int]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"slurm_train" in cmd and not any(b"torchrun" in c for c in cmd):
+        if b"megatron_stem.train" in cmd and not any(b"torchrun" in c for c in cmd):
             pids.append(pid)
     return pids
 
 
-def test_a_dead_rank_ends_the_job_promptly_with_a_clear_message(cluster, toy_data, tmp_path):
-    job, log = submit(cluster, tmp_path, toy_data, 100_000, "--time=10")
-    wait_for_log(cluster, job, log, r"^step 2/", timeout=300)
+def test_a_dead_rank_ends_the_job_promptly_with_a_clear_message(cluster, corpus_data, tmp_path):
+    job, log = submit(cluster, tmp_path, corpus_data, 2000, "--time=10")
+    wait_for_log(cluster, job, log, r"^step 2/", timeout=420)
     pids = trainer_pids(cluster, "node2")
     assert len(pids) == 1, pids
     os.kill(pids[0], signal.SIGKILL)
