@@ -39,6 +39,7 @@ class Tokenizer(ABC):
     eod: Optional[int]  # end of document: what --append-eod appends
     bos: Optional[int]
     pad: Optional[int]
+    unk: Optional[int]
     path: str  # the file the tokenizer was loaded from
 
     @abstractmethod
@@ -52,6 +53,17 @@ class Tokenizer(ABC):
     @abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
         ...
+
+    @abstractmethod
+    def token(self, token_id: int) -> str:
+        """The vocabulary entry (piece) of one id."""
+
+    def special_tokens(self) -> dict[str, str]:
+        """{"eos_token": "</s>", ...}: the special tokens this tokenizer has, in the names
+        of a Hugging Face tokenizer_config.json."""
+        ids = {"eos_token": self.eod, "bos_token": self.bos, "pad_token": self.pad,
+               "unk_token": self.unk}
+        return {name: self.token(i) for name, i in ids.items() if i is not None}
 
     @property
     def unique_identifiers(self) -> dict:
@@ -82,9 +94,9 @@ class SentencePieceTokenizer(Tokenizer):
         super().__init__(str(model.resolve()), [model])
         self.vocab_size = self._sp.vocab_size()
         # SentencePiece answers -1 for a special token the model was trained without.
-        self.eod, self.bos, self.pad = (
-            i if i >= 0 else None
-            for i in (self._sp.eos_id(), self._sp.bos_id(), self._sp.pad_id()))
+        self.eod, self.bos, self.pad, self.unk = (
+            i if i >= 0 else None for i in (self._sp.eos_id(), self._sp.bos_id(),
+                                             self._sp.pad_id(), self._sp.unk_id()))
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
@@ -96,12 +108,16 @@ class SentencePieceTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode(list(map(int, ids)))
 
+    def token(self, token_id: int) -> str:
+        return self._sp.id_to_piece(token_id)
+
 
 # Special tokens by their usual names, tried in order when no tokenizer_config.json says.
 _HF_DEFAULTS = {
     "eos_token": ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>"),
     "bos_token": ("<|begin_of_text|>", "<s>", "<bos>", "<|endoftext|>"),
     "pad_token": ("<pad>", "<|pad|>", "[PAD]"),
+    "unk_token": ("<unk>", "[UNK]"),
 }
 
 
@@ -124,11 +140,13 @@ class HuggingFaceTokenizer(Tokenizer):
             raise UserError(f"{file}: not a Hugging Face tokenizer.json ({e})") from None
         config_file = file.parent / "tokenizer_config.json"
         config = self._read_config(config_file) if config_file.is_file() else {}
+        self.file, self.config = file, config
         super().__init__(str(file.resolve()),
                          [file] + ([config_file] if config_file.is_file() else []))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eod, self.bos, self.pad = (self._special(config, name, config_file) for name in
-                                        ("eos_token", "bos_token", "pad_token"))
+        self.eod, self.bos, self.pad, self.unk = (
+            self._special(config, name, config_file)
+            for name in ("eos_token", "bos_token", "pad_token", "unk_token"))
         # encode_batch_fast skips computing character offsets we never use (tokenizers>=0.20).
         self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
 
@@ -166,6 +184,9 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(map(int, ids)), skip_special_tokens=False)
+
+    def token(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id)
 
 
 TOKENIZER_TYPES = {"sentencepiece": SentencePieceTokenizer, "huggingface": HuggingFaceTokenizer}

@@ -22,6 +22,7 @@ from megatron_stem import checkpoint
 from megatron_stem.errors import UserError
 from megatron_stem.hf.export import export
 from megatron_stem.hf.import_ import import_hf
+from megatron_stem.tokenizer import load_tokenizer
 from workers.common import TINY
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download
@@ -355,7 +356,12 @@ def test_export_with_a_tokenizer_json(megatron, tmp_path, with_config):
         raw.encode("the stem of the table").ids == [5, 3, 6, 5, 4]
     eos = 1 if with_config else 2
     assert tok.eos_token_id == eos
-    assert AutoConfig.from_pretrained(out, trust_remote_code=True).eos_token_id == eos
+    # Every special id is the one training used (the config leaves bos unsaid: `<s>`).
+    trained = load_tokenizer("huggingface", tmp_path)
+    config = AutoConfig.from_pretrained(out, trust_remote_code=True)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == \
+        (config.bos_token_id, config.eos_token_id, config.pad_token_id) == \
+        (trained.bos, trained.eod, trained.pad) == (1, eos, None)
     assert (tok.chat_template is not None) == with_config
 
 

@@ -139,7 +139,7 @@ def test_rows_updated_at_step_k_are_seen_at_step_k_plus_1(update, cache_rows, mo
 
     monkeypatch.setattr(opt.kernel, "update", update_slowly)
     monkeypatch.setattr(host_tables, "_gather_chunk", gather_slowly)
-    previous = None
+    before = previous = None
     for step in range(4):
         version = [t.weight.detach().clone() for t in tables]
         if previous is not None:  # step k-1 really changed the rows it touched

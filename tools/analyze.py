@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from megatron_stem.editing.backend import add_model_arguments, open_backend, open_tokenizer
 from megatron_stem.errors import UserError, cli
 
 
@@ -50,7 +51,6 @@ def run(args) -> None:
     from megatron_stem.analysis.plots import plot_capacity, plot_spread
     from megatron_stem.analysis.report import analyze
     from megatron_stem.analysis.text import read_token_ids
-    from megatron_stem.editing.backend import open_backend, open_tokenizer
 
     output = Path(args.output)
     with open_backend(args.checkpoint, args.hf) as backend:
@@ -78,15 +78,10 @@ def run(args) -> None:
 @cli
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="megatron-stem save dir or iter_N checkpoint folder")
-    src.add_argument("--hf", help="Hugging Face export folder")
+    add_model_arguments(ap)  # a dense baseline must share the tokenizer
     dense = ap.add_mutually_exclusive_group()
     dense.add_argument("--dense-checkpoint", help="dense baseline checkpoint to compare with")
     dense.add_argument("--dense-hf", help="dense baseline HF export to compare with")
-    ap.add_argument("--tokenizer", help="default: the checkpoint recipe's, or the one an HF "
-                                        "export ships (both models must share it)")
-    ap.add_argument("--tokenizer-type", choices=["sentencepiece", "huggingface"])
     ap.add_argument("--input", nargs="+", required=True,
                     help="text: files, globs or folders (jsonl/txt/parquet, .gz/.zst)")
     ap.add_argument("--json-key", default="text", help="text field of jsonl/parquet records")

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from megatron_stem.editing import forward
-from megatron_stem.editing.backend import open_backend, open_tokenizer
+from megatron_stem.editing.backend import add_model_arguments, open_backend, open_tokenizer
 from megatron_stem.editing.evaluate import evaluate, format_report, load_eval_spec
 from megatron_stem.editing.inject import apply_writes, inject_writes
 from megatron_stem.editing.remap import bake_writes, find_occurrences
@@ -90,12 +90,7 @@ def run(args) -> None:
 @cli
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="megatron-stem save dir or iter_N checkpoint folder")
-    src.add_argument("--hf", help="Hugging Face export folder (tools/to_hf.py)")
-    ap.add_argument("--tokenizer", help="SentencePiece .model or tokenizer.json (default: the "
-                                        "checkpoint recipe's, or the one an HF export ships)")
-    ap.add_argument("--tokenizer-type", choices=["sentencepiece", "huggingface"])
+    add_model_arguments(ap)
     ap.add_argument("--edits", help="edit spec, YAML or JSON")
     ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     ap.add_argument("--top-k", type=int, default=5)

@@ -17,6 +17,17 @@ def _pyplot():
     return plt
 
 
+def _save(fig, ax, path: Path, title: str, xlabel: str, ylabel: str, legend_size: int):
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path
+
+
 def plot_spread(report: dict, path: Path) -> Path:
     """|cos| histograms of every layer: STEM rows solid, up-projection outputs dashed
     (the dense baseline's in grey), with the random-Gaussian P95 as a dotted line."""
@@ -39,14 +50,8 @@ def plot_spread(report: dict, path: Path) -> Path:
     if gaussian is not None:
         ax.axvline(gaussian, linestyle=":", color="black",
                    label=f"random Gaussian P95 ({gaussian:.3f})")
-    ax.set_xlabel("|cos| between vectors of distinct tokens")
-    ax.set_ylabel("fraction of pairs")
-    ax.set_title("Angular spread")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path, "Angular spread", "|cos| between vectors of distinct tokens",
+                 "fraction of pairs", legend_size=7)
 
 
 def plot_capacity(report: dict, path: Path) -> Path:
@@ -61,11 +66,5 @@ def plot_capacity(report: dict, path: Path) -> Path:
                    label="replaced up-projections (dense: every token)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("parameters")
-    ax.set_title("Distinct parameters activated by a context")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path, "Distinct parameters activated by a context",
+                 "context length (tokens)", "parameters", legend_size=8)

@@ -19,7 +19,7 @@ import os
 import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -48,9 +48,9 @@ class Backend(ABC):
         """STEM layer `layer`'s table [vocab_size, ffn_hidden_size], the live tensor."""
 
     @abstractmethod
-    def up_projections(self, input_ids: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Each dense layer's up-projection output W_up x at every position, [b, s, ffn]:
-        what a STEM layer's table row stands in for."""
+    def _up_projection(self, layer: int) -> tuple[torch.nn.Module, Callable]:
+        """Dense layer `layer`'s module whose forward computes W_up x, and a function of
+        that module's output giving W_up x as [b, s, ffn] fp32."""
 
     @abstractmethod
     def save(self, output: Path) -> Path:
@@ -64,6 +64,25 @@ class Backend(ABC):
     @property
     def stem_layers(self) -> list[int]:
         return self.config.stem_layer_indices
+
+    def up_projections(self, input_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Each dense layer's up-projection output W_up x at every position, [b, s, ffn]:
+        what a STEM layer's table row stands in for."""
+        captured, hooks = {}, []
+        for i in range(self.config.num_layers):
+            if i in self.stem_layers:
+                continue
+            module, read = self._up_projection(i)
+
+            def hook(module, args, output, i=i, read=read):
+                captured[i] = read(output)
+            hooks.append(module.register_forward_hook(hook))
+        try:
+            self.logits(input_ids)
+        finally:
+            for h in hooks:
+                h.remove()
+        return captured
 
     def read_rows(self, layer: int, ids) -> torch.Tensor:
         """Rows of `ids` in STEM layer `layer`, an fp32 copy [len(ids), ffn]."""
@@ -163,23 +182,11 @@ class MegatronBackend(Backend):
     def table(self, layer):
         return self._layer(layer).mlp.table.weight.data
 
-    def up_projections(self, input_ids):
+    def _up_projection(self, layer):
         ffn = self.config.ffn_hidden_size
-        captured, hooks = {}, []
-        for i in range(self.config.num_layers):
-            if i in self.stem_layers:
-                continue
-            fc1 = self._layer(i).mlp.linear_fc1  # [gate; up] fused (names.py: "halves")
-
-            def hook(module, args, output, i=i):
-                captured[i] = output[0][..., ffn:].transpose(0, 1).float()  # [s,b] -> [b,s]
-            hooks.append(fc1.register_forward_hook(hook))
-        try:
-            self.logits(input_ids)
-        finally:
-            for h in hooks:
-                h.remove()
-        return captured
+        fc1 = self._layer(layer).mlp.linear_fc1  # [gate; up] fused (names.py: "halves")
+        # (output, bias) with output [s, b, 2 ffn] -> the up half as [b, s, ffn]
+        return fc1, lambda output: output[0][..., ffn:].transpose(0, 1).float()
 
     def save(self, output):
         from megatron_stem import checkpoint
@@ -250,21 +257,8 @@ class HFBackend(Backend):
     def table(self, layer):
         return self.net.model.layers[layer].mlp.table.weight.data
 
-    def up_projections(self, input_ids):
-        captured, hooks = {}, []
-        for i, layer in enumerate(self.net.model.layers):
-            if i in self.stem_layers:
-                continue
-
-            def hook(module, args, output, i=i):
-                captured[i] = output.float()
-            hooks.append(layer.mlp.up_proj.register_forward_hook(hook))
-        try:
-            self.logits(input_ids)
-        finally:
-            for h in hooks:
-                h.remove()
-        return captured
+    def _up_projection(self, layer):
+        return self.net.model.layers[layer].mlp.up_proj, lambda output: output.float()
 
     def save(self, output):
         """A copy of the source folder (config, tokenizer, remote code, index untouched)
@@ -295,6 +289,18 @@ class HFBackend(Backend):
 # ---------------------------------------------------------------------------------------
 # Opening models and their tokenizers
 # ---------------------------------------------------------------------------------------
+
+
+def add_model_arguments(parser) -> None:
+    """--checkpoint | --hf, --tokenizer, --tokenizer-type: the model a CLI opens with
+    `open_backend` and `open_tokenizer`."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="megatron-stem save dir or iter_N checkpoint folder")
+    source.add_argument("--hf", help="Hugging Face export folder (tools/to_hf.py)")
+    parser.add_argument("--tokenizer", help="SentencePiece .model or tokenizer.json (default: "
+                                            "the checkpoint recipe's, or the one an HF export "
+                                            "ships)")
+    parser.add_argument("--tokenizer-type", choices=["sentencepiece", "huggingface"])
 
 
 def open_backend(checkpoint: Optional[str] = None, hf: Optional[str] = None) -> Backend:

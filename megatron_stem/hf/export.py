@@ -104,7 +104,7 @@ def export(checkpoint_dir: str | Path, output: str | Path, dtype: Optional[str] 
     config = names.hf_config(model, str(out_dtype).removeprefix("torch."))
     if tok is not None:
         tokenizer_files.write(tok, tmp, model.seq_length)
-        special = {f"{k}_token_id": getattr(tok, f"{k}_token_id") for k in ("bos", "eos", "pad")}
+        special = tok.special_ids()
         config.update(special)
         (tmp / "generation_config.json").write_text(json.dumps(special, indent=2) + "\n")
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

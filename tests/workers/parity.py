@@ -8,7 +8,7 @@ import argparse
 import os
 
 import torch
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from common import full_named, microbatches, tiny_model
