@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-_kernel_ids = itertools.count(10_000)  # DeepSpeed keys CPU Adam instances by integer id
+_kernel_ids = itertools.count(10_000)
+DENSE_CHUNK_BYTES = 64 << 20  # `dense` updates this many bytes of fp32 rows at a time  # DeepSpeed keys CPU Adam instances by integer id
 
 
 class AdamKernel:
@@ -77,7 +78,7 @@ class TableState:
     exp_avg_sq: torch.Tensor
     rows: torch.Tensor | None = None  # after sync_grads: touched rows (sorted, CPU)
     grad: torch.Tensor | None = None  # after sync_grads: their DP-averaged grads (CPU)
-    dense_grad: torch.Tensor | None = None  # `dense` mode's reusable [V, w] zero buffer
+    dense_grad: torch.Tensor | None = None  # `dense` mode's reusable zero chunk
 
     @property
     def separate(self) -> bool:
@@ -267,15 +268,21 @@ class TableOptimizer:
             self.host.rows_changed(self._step_rows if self.update_mode == "lazy" else None)
 
     def _dense_update(self, t: TableState, grad: torch.Tensor, lr: float) -> None:
+        """AdamW over the owned rows, a chunk of rows at a time: the zero gradient of the
+        untouched rows is a chunk-sized buffer, not a [V, w] one (21 GB fp32 at 1B)."""
         lo, hi = self._owned_range()
+        chunk = max(1, DENSE_CHUNK_BYTES // (4 * t.master.shape[1]))
         if t.dense_grad is None:
-            t.dense_grad = torch.zeros(hi - lo, t.master.shape[1])
-        local = t.rows - lo
-        t.dense_grad.index_copy_(0, local, grad)
-        # Contiguous row slices: the kernel needs contiguous memory.
-        self.kernel.update(self.step_count, lr, self.weight_decay, t.master[lo:hi],
-                           t.dense_grad, t.exp_avg[lo:hi], t.exp_avg_sq[lo:hi])
-        t.dense_grad.index_fill_(0, local, 0)  # back to all zeros, other rows untouched
+            t.dense_grad = torch.zeros(min(chunk, hi - lo), t.master.shape[1])
+        bounds = torch.searchsorted(t.rows, torch.arange(lo, hi + chunk, chunk).clamp(max=hi))
+        for start, a, b in zip(range(lo, hi, chunk), bounds[:-1].tolist(), bounds[1:].tolist()):
+            end = min(start + chunk, hi)
+            zeros = t.dense_grad[:end - start]  # leading rows: contiguous, as the kernel needs
+            local = t.rows[a:b] - start
+            zeros.index_copy_(0, local, grad[a:b])
+            self.kernel.update(self.step_count, lr, self.weight_decay, t.master[start:end],
+                               zeros, t.exp_avg[start:end], t.exp_avg_sq[start:end])
+            zeros.index_fill_(0, local, 0)  # back to all zeros for the next chunk
         if t.separate:
             t.param.data.copy_(t.master, non_blocking=True)
 
