@@ -281,7 +281,7 @@ class OptimizerConfig:
 class TableOptimConfig:
     """The STEM tables' own optimizer (training/table_optim.py)."""
 
-    update: Literal["dense", "lazy"] = "lazy"
+    update: Literal["dense", "lazy"] = "dense"
     lr_mult: float = 1.0
     weight_decay: float = 0.1
     # "deepspeed": DeepSpeed's CPU Adam kernel (JIT-built once); "torch": same math in torch.
