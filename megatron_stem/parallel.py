@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import socket
 
 import torch
@@ -20,6 +21,16 @@ def _env_int(*names: str, default: int) -> int:
         if name in os.environ:
             return int(os.environ[name])
     return default
+
+
+def local_world_size() -> int:
+    """Ranks on this node: torchrun's LOCAL_WORLD_SIZE, else srun's tasks per node."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    tasks = os.environ.get("SLURM_TASKS_PER_NODE", "")  # e.g. "8(x4)": 8 on each of 4
+    if "SLURM_PROCID" in os.environ and tasks[:1].isdigit():
+        return int(re.match(r"\d+", tasks).group())
+    return 1
 
 
 def _free_port() -> int:

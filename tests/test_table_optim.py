@@ -95,3 +95,31 @@ def test_clip_coefficient_scales_the_gradient():
     opt.step(LR, clip_coef=0.5)
     # Adam is scale-invariant at step 1 (up to eps), so the step is still -lr.
     torch.testing.assert_close(table[1], torch.full((2,), -LR), atol=1e-6, rtol=0)
+
+
+def test_device_placement_that_cannot_fit_the_node_is_refused_before_allocating(monkeypatch):
+    """Every rank's fp32 master and Adam moments of its tables, times the node's ranks,
+    against the node's available memory: a one-line ConfigError, not the OOM killer."""
+    from megatron_stem.errors import ConfigError
+    from megatron_stem.parallel import local_world_size
+    from megatron_stem.training import engine
+
+    bf16 = [("t", torch.nn.Parameter(torch.zeros(1000, 64, dtype=torch.bfloat16)))]
+    fp32 = [("t", torch.nn.Parameter(torch.zeros(1000, 64)))]
+    assert table_optim.cpu_state_bytes(bf16) == 1000 * 64 * 12  # master + 2 moments
+    assert table_optim.cpu_state_bytes(fp32) == 1000 * 64 * 8  # the table is its master
+    assert engine._available_host_bytes() > 0  # read from /proc/meminfo here
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(engine, "_available_host_bytes", lambda: 8 * 1000 * 64 * 12 - 1)
+    with pytest.raises(ConfigError, match=r"^tables\.placement: device keeps .* for 8 rank\(s\) "
+                                          r"on this node, .* Use tables\.placement=host"):
+        engine.check_table_memory(bf16, "device")
+    engine.check_table_memory(fp32, "device")  # 8 bytes per element fit
+    engine.check_table_memory(bf16, "host")  # one shared copy: not this check's business
+    monkeypatch.setattr(engine, "_available_host_bytes", lambda: None)  # unknown: no verdict
+    engine.check_table_memory(bf16, "device")
+    # srun without torchrun: tasks on this node from SLURM.
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "4(x2)")
+    assert local_world_size() == 4

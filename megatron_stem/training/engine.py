@@ -22,9 +22,9 @@ from megatron.core import parallel_state as ps
 from megatron_stem.config import Recipe
 from megatron_stem.errors import ConfigError
 from megatron_stem.model.table import StemTable
-from megatron_stem.parallel import device
+from megatron_stem.parallel import device, local_world_size
 from megatron_stem.training.host_tables import HostTableStore
-from megatron_stem.training.table_optim import TableOptimizer
+from megatron_stem.training.table_optim import TableOptimizer, cpu_state_bytes
 
 
 class MegatronMpu:
@@ -149,6 +149,37 @@ def _out_of_module(tables: list[StemTable]):
             m._parameters["weight"] = weight
 
 
+def _available_host_bytes() -> int | None:
+    """MemAvailable of this node (Linux), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_table_memory(tables, placement: str) -> None:
+    """With `placement: device` every rank keeps the tables' fp32 master and Adam moments
+    in CPU memory (63 GB per rank at 1B). Say so before allocating, rather than let the
+    kernel's OOM killer take down a rank midway through start-up. Called before the
+    engine's collectives: no rank has allocated its share when any rank checks."""
+    if placement != "device" or not tables:
+        return
+    available = _available_host_bytes()
+    ranks = local_world_size()
+    need = cpu_state_bytes(tables) * ranks
+    if available is not None and need > available:
+        raise ConfigError(
+            f"tables.placement: device keeps the tables' fp32 master and Adam moments in "
+            f"every rank's CPU memory: {need / 2**30:.1f} GiB for {ranks} rank(s) on this "
+            f"node, which has {available / 2**30:.1f} GiB available. Use "
+            "tables.placement=host (one shared copy per node), more tensor parallelism, or "
+            "fewer ranks per node")
+
+
 def build_engine(model: torch.nn.Module, recipe: Recipe):
     """Wrap `model` in a DeepSpeed engine; returns (engine, table optimizer, norms)."""
     set_extensions_cache()
@@ -156,6 +187,7 @@ def build_engine(model: torch.nn.Module, recipe: Recipe):
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     decay, no_decay, tables = split_parameters(model)
+    check_table_memory(tables, recipe.tables.placement)
     host_tables = []
     for module in model.modules():
         if isinstance(module, StemTable):

@@ -88,6 +88,17 @@ class TableState:
         return self.master.data_ptr() != self.param.data_ptr()
 
 
+def cpu_state_bytes(tables: list[tuple[str, torch.nn.Parameter]]) -> int:
+    """CPU memory a device-placement TableOptimizer allocates for `tables`: two fp32 Adam
+    moments, and an fp32 master unless the table is fp32 on the CPU already (it is its own
+    master then)."""
+    total = 0
+    for _, p in tables:
+        aliased = p.device.type == "cpu" and p.dtype == torch.float32
+        total += p.numel() * 4 * (2 if aliased else 3)
+    return total
+
+
 class TableOptimizer:
     """`host`: the HostTableStore of host-resident tables (None: device-resident)."""
 
