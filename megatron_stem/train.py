@@ -202,23 +202,23 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
                            "tables/unique_rows": tables.touched_rows,
                            "tables/dp_comm_bytes": tables.last_comm_bytes,
                            "throughput/tokens_per_s": tok_s, "memory/gb": memory_gb()}
-                mfu = ""
+                extra = ""  # MFU and host-table figures, where there are any
                 if torch.cuda.is_available():
                     scalars["throughput/mfu"] = tok_s * flops_per_token / (
                         train.peak_flops * dist.get_world_size())
-                    mfu = f" | MFU {scalars['throughput/mfu']:.1%}"
+                    extra = f" | MFU {scalars['throughput/mfu']:.1%}"
                 host = tables.host_stats()  # per-step averages since the last log
                 scalars.update({f"tables/{k}": v for k, v in host.items()})
                 if host:
                     hits = f", cache hits {host['cache_hit_rate']:.1%}" \
                         if "cache_hit_rate" in host else ""
-                    mfu += (f" | prefetch wait {host['prefetch_wait_ms']:.1f} ms, "
+                    extra += (f" | prefetch wait {host['prefetch_wait_ms']:.1f} ms, "
                             f"h2d {host['h2d_bytes'] / 2**20:.1f} MB{hits}")
                 metrics.log(step, scalars,
                             f"step {step}/{train.steps} | loss {loss:.4f} | lr {lr:.2e} | grad "
                             f"{norms.total:.3f} (backbone {norms.backbone:.3f}, tables "
                             f"{norms.tables:.3f}) | rows {tables.touched_rows} | "
-                            f"{tok_s:,.0f} tok/s{mfu} | mem {memory_gb():.2f} GB")
+                            f"{tok_s:,.0f} tok/s{extra} | mem {memory_gb():.2f} GB")
             if step % train.eval_interval == 0 or step == train.steps:
                 val = evaluate(model, valid, tables)
                 result["valid"].append(val)

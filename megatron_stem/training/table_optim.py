@@ -37,8 +37,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-_kernel_ids = itertools.count(10_000)
-DENSE_CHUNK_BYTES = 64 << 20  # `dense` updates this many bytes of fp32 rows at a time  # DeepSpeed keys CPU Adam instances by integer id
+from megatron_stem import parallel
+
+_kernel_ids = itertools.count(10_000)  # DeepSpeed keys CPU Adam instances by integer id
+DENSE_CHUNK_BYTES = 64 << 20  # `dense` updates this many bytes of fp32 rows at a time
 
 
 class AdamKernel:
@@ -88,15 +90,15 @@ class TableState:
         return self.master.data_ptr() != self.param.data_ptr()
 
 
+def _is_own_master(param: torch.nn.Parameter) -> bool:
+    """An fp32 CPU table is its own fp32 master; any other gets a separate one."""
+    return param.device.type == "cpu" and param.dtype == torch.float32
+
+
 def cpu_state_bytes(tables: list[tuple[str, torch.nn.Parameter]]) -> int:
     """CPU memory a device-placement TableOptimizer allocates for `tables`: two fp32 Adam
-    moments, and an fp32 master unless the table is fp32 on the CPU already (it is its own
-    master then)."""
-    total = 0
-    for _, p in tables:
-        aliased = p.device.type == "cpu" and p.dtype == torch.float32
-        total += p.numel() * 4 * (2 if aliased else 3)
-    return total
+    moments, and an fp32 master unless the table is its own."""
+    return sum(p.numel() * 4 * (2 if _is_own_master(p) else 3) for _, p in tables)
 
 
 class TableOptimizer:
@@ -120,8 +122,8 @@ class TableOptimizer:
         self._step_rows = None  # host: the rows the step updates on the copy (all owners)
 
     def _state(self, name: str, param: torch.nn.Parameter) -> TableState:
-        aliased = param.device.type == "cpu" and param.dtype == torch.float32
-        master = param.data if aliased else param.detach().to("cpu", torch.float32).clone()
+        master = param.data if _is_own_master(param) \
+            else param.detach().to("cpu", torch.float32).clone()
         if self.copy is not None:  # moments shared by the copy's ranks, like the table
             return TableState(name, param, master,
                               *(self.copy.tensor(f"{name}.{k}", tuple(master.shape))
@@ -255,7 +257,7 @@ class TableOptimizer:
             groups.append(self.copy.group)
         groups = [g for g in groups if g is not None]
         if dist.is_initialized() and groups:
-            local = local.to(_comm_device())
+            local = local.to(parallel.device())
             for group in groups:
                 dist.all_reduce(local, group=group)
         return float(local)
@@ -334,11 +336,6 @@ class TableOptimizer:
                 t.param.data.copy_(t.master)
         if self.copy is not None:
             self.copy.barrier()
-
-
-def _comm_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
 
 
 def _coalesced_rows(param: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
