@@ -208,13 +208,24 @@ def test_tables_on_cpu_give_identical_logits_and_stay_on_the_host(megatron, expo
     plain = load_hf(exported["stem_tp2"])
     host = load_hf(exported["stem_tp2"], stem_tables_on_cpu=True)
     assert host.config.stem_tables_on_cpu and not plain.config.stem_tables_on_cpu
+    tables = [m for name, m in host.named_modules() if name.endswith("mlp.table")]
+    staged_used = []  # per table call: did it get rows staged for exactly its ids?
+    for t in tables:
+        t.register_forward_pre_hook(lambda m, args: staged_used.append(
+            m.staged is not None and m.staged[0] is args[0]))
+    tokens = megatron["tokens"]
     with torch.no_grad():
-        assert torch.equal(host(megatron["tokens"]).logits, plain(megatron["tokens"]).logits)
+        assert torch.equal(host(tokens).logits, plain(tokens).logits)
+        # Remapped ids ([b, s] stem_ids) are what gets staged, not the input ids.
+        remap = tokens.flip(-1)
+        assert torch.equal(host(tokens, stem_ids=remap).logits,
+                           plain(tokens, stem_ids=remap).logits)
+    assert staged_used == [True] * 2 * len(tables)
     prompt = megatron["prompt"]
     out = host.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
                         max_new_tokens=megatron["stem_tp2"]["greedy"].shape[1] - prompt.shape[1])
     assert torch.equal(out, megatron["stem_tp2"]["greedy"])
-    tables = [m.weight for name, m in host.named_modules() if name.endswith("mlp.table")]
+    tables = [t.weight for t in tables]
     assert len(tables) == 2
     host.to(torch.bfloat16)  # casts apply to tables too ...
     assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tables)

@@ -125,7 +125,7 @@ class StemTable(nn.Module):
         super().__init__()
         self.host_resident = bool(config.stem_tables_on_cpu)
         self.weight = nn.Parameter(torch.empty(config.vocab_size, config.intermediate_size))
-        self.staged = None  # (input_ids, inverse, rows, ready event) set by HostRowStager
+        self.staged = None  # (ids, inverse, rows, ready event) set by HostRowStager
 
     def forward(self, input_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
         if not self.host_resident:
@@ -183,8 +183,8 @@ class HostRowStager:
         self._streams: dict = {}
         self.hits = self.lookups = 0
 
-    def stage(self, tables: list, devices: list, input_ids: torch.Tensor) -> None:
-        unique, inverse = torch.unique(input_ids.cpu(), return_inverse=True)
+    def stage(self, tables: list, devices: list, ids: torch.Tensor) -> None:
+        unique, inverse = torch.unique(ids.cpu(), return_inverse=True)
         cache = self._cache(tables, devices)
         if cache is not None:
             self._admit(cache, tables)
@@ -209,7 +209,7 @@ class HostRowStager:
                 if device.type == "cuda":
                     ready = torch.cuda.Event()
                     ready.record(self._streams[device])
-                table.staged = (input_ids, inverse.to(device, non_blocking=True), rows, ready)
+                table.staged = (ids, inverse.to(device, non_blocking=True), rows, ready)
 
     def _cache(self, tables, devices):
         if self.cache_rows <= 0:
@@ -349,10 +349,10 @@ class StemModel(StemPreTrainedModel):
             if config.stem_tables_on_cpu and config.stem_layers else None
         self.post_init()
 
-    def _stage_host_rows(self, input_ids: torch.Tensor) -> None:
+    def _stage_host_rows(self, ids: torch.Tensor) -> None:
         mlps = [layer.mlp for layer in self.layers if isinstance(layer.mlp, StemTableMLP)]
         self.host_rows.stage([m.table for m in mlps], [m.gate_proj.weight.device for m in mlps],
-                             input_ids)
+                             ids)
 
     def get_input_embeddings(self):
         return self.embed_tokens
@@ -368,20 +368,22 @@ class StemModel(StemPreTrainedModel):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if input_ids is None and self.config.stem_layers:
             raise ValueError("a STEM model needs input_ids: its tables are indexed by token id")
-        if self.host_rows is not None and input_ids is not None:
-            self._stage_host_rows(input_ids)  # before layer 0: the copies overlap compute
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        b, s = x.shape[:2]
         past = cache.get_seq_length() if cache is not None else 0
+        lookup = _lookup_ids(stem_ids, input_ids, past, len(self.layers)) \
+            if input_ids is not None else None
+        # Stage the ids the tables will look up, before layer 0 (the copies overlap compute);
+        # per-layer ids ([layers, b, s]) differ by table: each gathers its own rows.
+        if self.host_rows is not None and lookup is not None and lookup.dim() == 2:
+            self._stage_host_rows(lookup)
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        b, s = x.shape[:2]
         if position_ids is None:
             position_ids = torch.arange(past, past + s, device=x.device)[None].expand(b, s)
         cos, sin = rotary_cos_sin(self.config, position_ids, x.dtype)
         mask = _attention_mask(attention_mask, b, s, past, x.device)
-        lookup = _lookup_ids(stem_ids, input_ids, past, len(self.layers)) \
-            if input_ids is not None else None
         for i, layer in enumerate(self.layers):
             ids = lookup[i] if lookup is not None and lookup.dim() == 3 else lookup
             x = layer(x, ids, cos, sin, mask, cache if use_cache else None)
