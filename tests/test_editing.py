@@ -226,9 +226,11 @@ def test_baked_rows_equal_the_inference_time_remap(stem, tok):
     table = stem.table(1).clone()
     live = forward.next_token_logprobs(stem, prompts, [remaps] * len(prompts))
     assert torch.equal(stem.table(1), table)  # the averaged row was borrowed and given back
+    edited = set(stem.edited_layers)
     with written(stem, bake_writes(stem, remaps)):
         baked = forward.next_token_logprobs(stem, prompts)
     assert torch.equal(stem.table(1), table)
+    assert stem.edited_layers == edited  # borrowed rows are no edit a save must write
     torch.testing.assert_close(baked, live, atol=1e-5, rtol=1e-5)
     assert tok.decode([int(live[0].argmax())]) == "Berlin"
     assert tok.decode([int(live[1].argmax())]) == "Berlin"

@@ -86,12 +86,13 @@ class Backend(ABC):
 
     def read_rows(self, layer: int, ids) -> torch.Tensor:
         """Rows of `ids` in STEM layer `layer`, an fp32 copy [len(ids), ffn]."""
-        return self.table(layer)[torch.as_tensor(ids, dtype=torch.long)].float().clone()
+        rows = self.table(layer)[torch.as_tensor(ids, dtype=torch.long)]
+        return rows.to("cpu", torch.float32, copy=True)
 
     def write_rows(self, layer: int, ids, rows: torch.Tensor) -> None:
         table = self.table(layer)
         with torch.no_grad():
-            table[torch.as_tensor(ids, dtype=torch.long)] = rows.to(table.dtype)
+            table[torch.as_tensor(ids, dtype=torch.long)] = rows.to(table.device, table.dtype)
         self.edited_layers.add(layer)
 
     def __enter__(self):
@@ -118,17 +119,15 @@ def _join_world() -> bool:
     from megatron_stem.parallel import init_distributed
 
     global _owned_worlds
-    if parallel_state.model_parallel_is_initialized():
-        if dist.get_world_size() != 1:
-            raise UserError("model editing and analysis run in one process; start them with "
-                            "python, not torchrun")
+    joined = parallel_state.model_parallel_is_initialized()
+    if (dist.get_world_size() if joined else int(os.environ.get("WORLD_SIZE", "1"))) != 1:
+        raise UserError("model editing and analysis run in one process; start them with "
+                        "python, not torchrun")
+    if joined:
         if _owned_worlds:
             _owned_worlds += 1
             return True
         return False  # someone else's world (a test, a notebook): leave it to them
-    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-        raise UserError("model editing and analysis run in one process; start them with "
-                        "python, not torchrun")
     init_distributed(ParallelConfig())
     _owned_worlds += 1
     return True
@@ -172,9 +171,15 @@ class MegatronBackend(Backend):
         self.net.eval()
 
     def logits(self, input_ids, stem_ids=None):
+        from megatron_stem.parallel import device
+
+        # build_model placed the model on the accelerator where there is one; callers hold
+        # CPU tensors.
+        on = device()
         with torch.no_grad():
-            out = self.net(input_ids, None, None, stem_ids=stem_ids)
-        return out[..., :self.config.vocab_size].float()
+            out = self.net(input_ids.to(on), None, None,
+                           stem_ids=None if stem_ids is None else stem_ids.to(on))
+        return out[..., :self.config.vocab_size].float().cpu()
 
     def _layer(self, layer: int):
         return self.net.decoder.layers[layer]
@@ -186,7 +191,7 @@ class MegatronBackend(Backend):
         ffn = self.config.ffn_hidden_size
         fc1 = self._layer(layer).mlp.linear_fc1  # [gate; up] fused (names.py: "halves")
         # (output, bias) with output [s, b, 2 ffn] -> the up half as [b, s, ffn]
-        return fc1, lambda output: output[0][..., ffn:].transpose(0, 1).float()
+        return fc1, lambda output: output[0][..., ffn:].transpose(0, 1).float().cpu()
 
     def save(self, output):
         from megatron_stem import checkpoint

@@ -78,10 +78,13 @@ def apply_writes(backend, writes: Sequence[RowWrite]) -> list[RowWrite]:
 
 @contextlib.contextmanager
 def written(backend, writes: Sequence[RowWrite]):
-    """The rows written for the duration of the block, then restored exactly."""
+    """The rows written for the duration of the block, then restored exactly (and not
+    counted as edits: saving afterwards rewrites only layers really edited)."""
+    edited = set(backend.edited_layers)
     undo = apply_writes(backend, writes) if writes else []
     try:
         yield
     finally:
         for w in undo:
             backend.write_rows(w.layer, [w.token], w.row[None])
+        backend.edited_layers = edited
