@@ -18,17 +18,9 @@ from megatron_stem.hf.remote.row_cache import RowCache
 from megatron_stem.training import host_tables
 from megatron_stem.training.host_tables import HostTableStore, gather_rows
 from megatron_stem.training.table_optim import TableOptimizer
-from workers.common import TINY
+from workers.common import TINY, HostTable, tiny_model
 
 CPU = torch.device("cpu")
-
-
-class Table(torch.nn.Module):
-    """What the store needs of a StemTable: a host `weight`."""
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
 
 
 def zipf_ids(generator, shape, vocab, offset=0):
@@ -85,7 +77,7 @@ def test_cache_serves_exactly_the_table_rows_under_eviction_and_updates(dense):
     cache must evict)."""
     vocab, width = 200, 6
     g = torch.Generator().manual_seed(0)
-    tables = [Table(torch.randn(vocab, width, generator=g)) for _ in range(3)]
+    tables = [HostTable(torch.randn(vocab, width, generator=g)) for _ in range(3)]
     store = HostTableStore(tables, CPU, torch.float32, cache_rows=16, gather_threads=3)
     members = []
     for step in range(36):
@@ -123,7 +115,7 @@ def test_rows_updated_at_step_k_are_seen_at_step_k_plus_1(update, cache_rows, mo
     one runs (exactly one ahead)."""
     vocab, width = 64, 8
     g = torch.Generator().manual_seed(1)
-    tables = [Table(torch.randn(vocab, width, generator=g)) for _ in range(2)]
+    tables = [HostTable(torch.randn(vocab, width, generator=g)) for _ in range(2)]
     store = HostTableStore(tables, CPU, torch.float32, cache_rows=cache_rows, gather_threads=2)
     opt = TableOptimizer([(f"t{i}", t.weight) for i, t in enumerate(tables)], update, 1.0,
                          0.1, (0.9, 0.95), kernel="torch", host=store)
@@ -168,7 +160,7 @@ def test_row_grads_are_the_summed_embedding_grads():
     vocab, width = 50, 4
     g = torch.Generator().manual_seed(2)
     weight = torch.randn(vocab, width, generator=g)
-    table = Table(weight.clone())
+    table = HostTable(weight.clone())
     store = HostTableStore([table], CPU, torch.float32)
     mbs = [{"tokens": torch.randint(0, vocab, (2, 9), generator=g)} for _ in range(3)]
     store.stage(mbs)
@@ -203,8 +195,6 @@ def test_host_model_equals_device_model(world1, recompute):
     recompute the replayed forward finds the same staged rows."""
     from megatron_stem.model import build_model
     from megatron_stem.model.table import StemTable
-    from workers.common import tiny_model
-
     model_config = tiny_model("1/2")
     g = torch.Generator().manual_seed(3)
     seq = torch.randint(0, 300, (2, 33), generator=g)
@@ -242,8 +232,6 @@ def test_host_model_equals_device_model(world1, recompute):
 def test_host_tables_stay_on_the_host_through_moves_and_casts(world1):
     from megatron_stem.model import build_model
     from megatron_stem.model.table import StemTable
-    from workers.common import tiny_model
-
     model = build_model(tiny_model("1/2"), ParallelConfig(),
                         tables=TableOptimConfig(placement="host"))
     tables = [m.weight for m in model.modules() if isinstance(m, StemTable)]

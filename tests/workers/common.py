@@ -15,6 +15,14 @@ TINY = dict(hidden_size=64, num_layers=4, num_attention_heads=4, num_query_group
             ffn_hidden_size=128, vocab_size=300, seq_length=32)
 
 
+class HostTable(torch.nn.Module):
+    """What a HostTableStore needs of a StemTable: a host `weight`."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+
 def tiny_model(stem_layers="1/2", **overrides) -> ModelConfig:
     return ModelConfig(**{**TINY, **overrides}, stem_layers=stem_layers)
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from common import HostTable
 from megatron_stem.config import ParallelConfig
 from megatron_stem.model.host_copy import SHM_DIR, HostCopy
 from megatron_stem.parallel import destroy_distributed, init_distributed
@@ -24,18 +25,13 @@ from megatron_stem.training.table_optim import TableOptimizer
 VOCAB, WIDTH, STEPS = 97, 8, 4
 
 
-class Table(torch.nn.Module):
-    def __init__(self, weight):
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
-
-
 def train(update: str, placement: str, ranks_per_copy: int = 0):
     init = torch.randn(2, VOCAB, WIDTH, generator=torch.Generator().manual_seed(7))
     store, copy, owners_ok = None, None, True
     if placement == "host":
         copy = HostCopy(ranks_per_copy)
-        tables = [Table(copy.tensor(f"t{i}", (VOCAB, WIDTH), init=lambda t, i=i: t.copy_(init[i])))
+        tables = [HostTable(copy.tensor(f"t{i}", (VOCAB, WIDTH),
+                                        init=lambda t, i=i: t.copy_(init[i])))
                   for i in range(2)]
         for t in tables:
             t.host_copy = copy

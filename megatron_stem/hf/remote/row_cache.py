@@ -56,6 +56,9 @@ class RowCache:
         seen = torch.unique(torch.cat(self._seen)) if self._seen else self.id_of[:0]
         self._seen = []
         candidates = seen[self.slot_of[seen] < 0]
+        if candidates.numel() == 0:  # every id seen is a member (decoding, mostly)
+            self.freq.mul_(self.decay)
+            return self.id_of[:0]
         members = self.id_of[self.id_of >= 0]
         pool = torch.cat([members, candidates])  # members first: a stable sort keeps them on ties
         order = torch.sort(self.freq[pool], descending=True, stable=True).indices
