@@ -189,6 +189,16 @@ class HuggingFaceTokenizer(Tokenizer):
         return self._tok.id_to_token(token_id)
 
 
+def check_fits(tokenizer: Tokenizer, vocab_size: int, where: str) -> None:
+    """A tokenizer with more ids than the model's vocabulary is another model's: its ids
+    would index past the embedding and the STEM tables."""
+    if tokenizer.vocab_size > vocab_size:
+        raise UserError(
+            f"{where}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
+            f"vocab_size is {vocab_size}: not this model's tokenizer (its ids would index "
+            "past the embedding and the STEM tables)")
+
+
 TOKENIZER_TYPES = {"sentencepiece": SentencePieceTokenizer, "huggingface": HuggingFaceTokenizer}
 # Megatron-LM's --tokenizer-type names for the same files, so its users' commands keep working.
 _MEGATRON_NAMES = {"SentencePieceTokenizer": "sentencepiece",

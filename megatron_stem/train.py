@@ -99,13 +99,11 @@ def evaluate(model, microbatches: list[dict], tables=None) -> float:
 
 
 def _load_tokenizer(recipe: Recipe):
-    from megatron_stem.tokenizer import load_tokenizer
+    from megatron_stem.tokenizer import check_fits, load_tokenizer
 
     tokenizer = load_tokenizer(recipe.data.tokenizer_type, recipe.data.tokenizer_model)
-    if tokenizer.vocab_size > recipe.model.vocab_size:
-        raise UserError(
-            f"data.tokenizer_model: {recipe.data.tokenizer_model} has {tokenizer.vocab_size} "
-            f"tokens but model.vocab_size is {recipe.model.vocab_size}")
+    check_fits(tokenizer, recipe.model.vocab_size,
+               f"data.tokenizer_model: {recipe.data.tokenizer_model}")
     return tokenizer
 
 

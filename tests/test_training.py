@@ -14,6 +14,7 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from conftest import ROOT, subprocess_env, torchrun
+from workers.common import TINY
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +172,18 @@ def test_resuming_a_weights_only_checkpoint_is_a_clear_error(world1, tmp_path):
         checkpoint.save_model(build_model(recipe.model, ParallelConfig()), folder)
     with pytest.raises(UserError, match="holds model weights only .* train.init_from="):
         trainer._check_resumable(checkpoint.latest(tmp_path))
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(sp_model):
+    from megatron_stem import train as trainer
+    from megatron_stem.config import Recipe, from_dict
+    from megatron_stem.errors import UserError
+
+    recipe = from_dict(Recipe, {"model": {**TINY, "vocab_size": 999},
+                                "data": {"tokenizer_type": "sentencepiece",
+                                         "tokenizer_model": sp_model}})
+    with pytest.raises(UserError, match=r"^data\.tokenizer_model: .*gcide\.model: the tokenizer "
+                                        r"has 1000 tokens but the model's vocab_size is 999"):
+        trainer._load_tokenizer(recipe)
+    recipe.model.vocab_size = 1000
+    assert trainer._load_tokenizer(recipe).vocab_size == 1000

@@ -318,7 +318,7 @@ def open_backend(checkpoint: Optional[str] = None, hf: Optional[str] = None) -> 
 def open_tokenizer(backend: Backend, path: Optional[str] = None, kind: Optional[str] = None):
     """The tokenizer at `path` (kind by its name unless given), else the one the model
     names: a checkpoint's recipe (`data.tokenizer_*`), or the files an HF export ships."""
-    from megatron_stem.tokenizer import load_tokenizer
+    from megatron_stem.tokenizer import check_fits, load_tokenizer
 
     if path is None:
         if backend.kind == "megatron":
@@ -335,8 +335,5 @@ def open_tokenizer(backend: Backend, path: Optional[str] = None, kind: Optional[
             raise UserError(f"{backend.source}: ships no tokenizer; pass --tokenizer")
     kind = kind or ("sentencepiece" if str(path).endswith(".model") else "huggingface")
     tokenizer = load_tokenizer(kind, path)
-    if tokenizer.vocab_size > backend.config.vocab_size:
-        raise UserError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the "
-                        f"model's vocab_size is {backend.config.vocab_size}: not this model's "
-                        "tokenizer")
+    check_fits(tokenizer, backend.config.vocab_size, str(path))
     return tokenizer

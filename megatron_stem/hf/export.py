@@ -30,6 +30,7 @@ from megatron_stem.hf.safetensors_io import (
     shard_name,
     write_index,
 )
+from megatron_stem.tokenizer import check_fits
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -88,7 +89,7 @@ def export(checkpoint_dir: str | Path, output: str | Path, dtype: Optional[str] 
     check_tensors(reader, maps)
     tok = tokenizer_files.inspect(tokenizer) if tokenizer else None
     if tok is not None:
-        tokenizer_files.check_vocab(tok, model.vocab_size)
+        check_fits(tok.tokenizer, model.vocab_size, tok.source)
         if tok.vocab_size < model.vocab_size:
             warnings.warn(f"{tok.source}: the tokenizer has {tok.vocab_size} tokens, fewer than "
                           f"the model's vocab_size {model.vocab_size}", ExportWarning)

@@ -72,14 +72,6 @@ def _huggingface_files(tok: HuggingFaceTokenizer) -> dict[str, Path]:
     return files
 
 
-def check_vocab(tok: TokenizerFiles, vocab_size: int) -> None:
-    if tok.vocab_size > vocab_size:
-        raise UserError(
-            f"{tok.source}: the tokenizer has {tok.vocab_size} tokens but the model's vocab_size "
-            f"is {vocab_size}: not this model's tokenizer (its ids would index past the "
-            "embedding and the STEM tables)")
-
-
 def write(tok: TokenizerFiles, folder: Path, model_max_length: int) -> None:
     for name, source in tok.files.items():
         shutil.copyfile(source, folder / name)
