@@ -283,9 +283,8 @@ class SlurmCluster:
         self.env = {**os.environ, "SLURM_CONF": str(conf)}
 
         self._spawn("slurmctld", self._in_host("ctl", ["slurmctld", "-D", "-i"]))
-        self._wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0
-                   and "UP" in self.run("scontrol", "ping", check=False).stdout,
-                   "slurmctld to answer")
+        self._wait(lambda: (ping := self.run("scontrol", "ping", check=False)).returncode == 0
+                   and "UP" in ping.stdout, "slurmctld to answer")
         for name in self.node_names:
             self._spawn(f"slurmd {name}", self._in_host(name, ["slurmd", "-D", "-N", name]))
         self._wait(self._nodes_idle, "both nodes to be idle in sinfo")
@@ -376,12 +375,7 @@ class SlurmCluster:
         """A SLURM client command (sbatch, scontrol, ...) against this cluster, in `env`
         (default: this process's environment); sbatch passes it on to the job."""
         env = {**(os.environ if env is None else env), "SLURM_CONF": self.env["SLURM_CONF"]}
-        proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True,
-                              env=env, **kw)
-        if check and proc.returncode:
-            raise ClusterError(f"{' '.join(map(str, cmd))} exited {proc.returncode}: "
-                               f"{proc.stderr.strip()}")
-        return proc
+        return _run(*cmd, check=check, env=env, **kw)
 
     def sbatch(self, *args, env=None, cwd=None) -> str:
         """Submit; returns the job id."""

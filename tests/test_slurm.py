@@ -28,6 +28,7 @@ if os.environ.get("STEM_SKIP_SLURM_TESTS") == "1":
 # Steps of the preempted job: the stop must land mid-run (~0.25 s/step on 2 idle cores;
 # the stop takes about a second to reach the ranks).
 STEPS = 40
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")  # job states that are final
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ def wait_for_log(cluster, job: str, log: Path, pattern: str, timeout: float) -> 
         if re.search(pattern, text, re.M):
             return text
         info = cluster.job(job)
-        if info.get("JobState") in ("FAILED", "COMPLETED", "CANCELLED", "TIMEOUT"):
+        if info.get("JobState") in ENDED:
             pytest.fail(f"job {job} ended ({info.get('JobState')}) before /{pattern}/:\n{text}")
         time.sleep(0.5)
     pytest.fail(f"no /{pattern}/ in the log of job {job} after {timeout:.0f}s:\n"
@@ -106,8 +107,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, corpus_data, tm
     wait_for_log(cluster, job, log, rf"^step 3/{STEPS} ", timeout=420)
     # What `#SBATCH --signal=B:USR1@300` does near the time limit: USR1 to the batch shell.
     cluster.run("scancel", "--signal=USR1", "--batch", job)
-    info = cluster.wait_job(job, lambda i: i.get("JobState") in (
-        "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=600)
+    info = cluster.wait_job(job, lambda i: i.get("JobState") in ENDED, timeout=600)
     text = log.read_text()
     elapsed = time.monotonic() - t0
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text
@@ -166,8 +166,7 @@ def test_a_dead_rank_ends_the_job_promptly_with_a_clear_message(cluster, corpus_
     assert len(pids) == 1, pids
     os.kill(pids[0], signal.SIGKILL)
     killed = time.monotonic()
-    info = cluster.wait_job(job, lambda i: i.get("JobState") in (
-        "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=120)
+    info = cluster.wait_job(job, lambda i: i.get("JobState") in ENDED, timeout=120)
     took = time.monotonic() - killed
     text = log.read_text()
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", text
