@@ -359,12 +359,8 @@ class HostTableStore:
             hit_at, miss_at = (x.nonzero().flatten().to(self.device, non_blocking=True)
                                for x in (hit, ~hit))
             hit_slots = slots[hit].to(self.device, non_blocking=True)
-            rows = []
-            for cached, missed in zip(self.cache.rows, fetched.unbind(0)):
-                r = torch.empty(ids.numel(), self.width, dtype=self.dtype, device=self.device)
-                r.index_copy_(0, hit_at, cached.index_select(0, hit_slots))
-                r.index_copy_(0, miss_at, missed)
-                rows.append(r.requires_grad_(requires_grad))
+            rows = [self.cache.assemble(t, hit_at, hit_slots, miss_at, missed)
+                    .requires_grad_(requires_grad) for t, missed in enumerate(fetched.unbind(0))]
             if requires_grad:
                 self.cache.observe(ids)
                 counts = torch.bincount(where.flatten(), minlength=ids.numel())

@@ -196,15 +196,16 @@ class HostRowStager:
         else:
             hit = torch.zeros(unique.numel(), dtype=torch.bool)
         missed = unique[~hit]
+        joins = {}  # per device: where hits and misses go (the same for every table)
         for i, (table, device) in enumerate(zip(tables, devices)):
             with self._side_stream(device):
                 rows = self._copy(table.weight.index_select(0, missed), device)
                 if cache is not None and bool(hit.any()):
-                    full = torch.empty(unique.numel(), rows.shape[1], dtype=rows.dtype,
-                                       device=device)
-                    full[(~hit).to(device)] = rows
-                    full[hit.to(device)] = cache.rows[i][slots[hit].to(device)]
-                    rows = full
+                    if device not in joins:
+                        joins[device] = [x.to(device, non_blocking=True) for x in (
+                            hit.nonzero().flatten(), slots[hit], (~hit).nonzero().flatten())]
+                    hit_at, hit_slots, miss_at = joins[device]
+                    rows = cache.assemble(i, hit_at, hit_slots, miss_at, rows)
                 ready = None
                 if device.type == "cuda":
                     ready = torch.cuda.Event()

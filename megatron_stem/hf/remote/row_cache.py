@@ -74,6 +74,18 @@ class RowCache:
         self.freq.mul_(self.decay)
         return slots
 
+    def assemble(self, table: int, hit_at: torch.Tensor, hit_slots: torch.Tensor,
+                 miss_at: torch.Tensor, missed: torch.Tensor) -> torch.Tensor:
+        """Table `table`'s rows for a list of ids: the cached rows of slots `hit_slots` at
+        positions `hit_at`, the rows `missed` (fetched elsewhere) at `miss_at`. Indices are
+        on the table's device; index copies, no boolean masks (they would sync the host)."""
+        cached = self.rows[table]
+        rows = torch.empty(hit_at.numel() + miss_at.numel(), cached.shape[1],
+                           dtype=cached.dtype, device=cached.device)
+        rows.index_copy_(0, hit_at, cached.index_select(0, hit_slots))
+        rows.index_copy_(0, miss_at, missed)
+        return rows
+
     def write(self, table: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """rows[i] becomes table `table`'s row in slot slots[i] (rows on its device)."""
         cached = self.rows[table]
