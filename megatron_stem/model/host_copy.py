@@ -14,6 +14,7 @@ among its sharers (row ownership) and to keep copies on different nodes identica
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import socket
@@ -81,18 +82,15 @@ class HostCopy:
                init: Optional[Callable[[torch.Tensor], object]] = None) -> torch.Tensor:
         """An fp32 CPU tensor shared by this copy's ranks, filled by `init` (else zeros)
         on the copy's first rank before any other rank sees it."""
-        numel = 1
-        for n in shape:
-            numel *= n
+        numel = math.prod(shape)
         if self.size == 1:
             tensor = torch.zeros(shape) if init is None else torch.empty(shape)
         else:
             path = os.path.join(SHM_DIR, f"megatron_stem_{self.key}_c{self.copy_id}_{name}")
-            if self.index == 0:
+            if self.index == 0:  # a new file is zero-filled
                 _check_space(numel * 4, name)
                 if os.path.exists(path):
                     os.unlink(path)
-            if self.index == 0:  # a new file is zero-filled
                 tensor = torch.from_file(path, shared=True, size=numel,
                                          dtype=torch.float32).view(shape)
             self.barrier()

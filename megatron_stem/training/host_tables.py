@@ -40,10 +40,11 @@ k sees an update of step k (gradient accumulation reads one version of the table
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import torch
@@ -89,9 +90,7 @@ class _StagingBuffer:
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.copied is not None:
             self.copied.synchronize()  # its previous contents have left
-        numel = 1
-        for n in shape:
-            numel *= n
+        numel = math.prod(shape)
         if self.data.numel() < numel or self.data.dtype != dtype:
             # Headroom: micro-batches differ in unique ids, and pinning is slow.
             self.data = torch.empty(int(numel * 1.25) + 1024, dtype=dtype, pin_memory=self.pin)
@@ -144,7 +143,7 @@ class _Stats:
         return out
 
 
-_COUNTERS = ("wait_s", "h2d_bytes", "unique", "hits", "tokens", "token_hits", "steps")
+_COUNTERS = tuple(f.name for f in fields(_Stats) if f.name != "lock")
 
 
 class HostTableStore:
