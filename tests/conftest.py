@@ -29,6 +29,15 @@ def subprocess_env(**extra: str) -> dict:
     return env
 
 
+def tensorboard_steps(folder, tag: str) -> list[int]:
+    """The steps of `tag` as TensorBoard shows them (it drops what a resumed run purged)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return [e.step for e in events.Scalars(tag)]
+
+
 def torchrun(nproc: int, script: str, *args: str, timeout: int = 600) -> str:
     """Run tests/workers/<script> under torchrun with `nproc` gloo ranks; fail with its log."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, subprocess_env
+from conftest import ROOT, subprocess_env, tensorboard_steps
 from slurm_cluster import SlurmCluster, _netns_pids, missing_tools
 
 if os.environ.get("STEM_SKIP_SLURM_TESTS") == "1":
@@ -138,11 +138,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, corpus_data, tm
     assert (ckpts / "latest").read_text().strip() == f"iter_{STEPS:07d}"
 
     # One TensorBoard run with every step exactly once, across the requeue.
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(ckpts / "tensorboard"))
-    events.Reload()
-    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, STEPS + 1))
+    assert tensorboard_steps(ckpts / "tensorboard", "train/loss") == list(range(1, STEPS + 1))
     print(f"\npreempted 2-node job: {elapsed:.0f}s, stopped at step {stop}")
 
 
