@@ -474,14 +474,14 @@ def test_import_refuses_foreign_or_incomplete_hf_folders(hf_sources, tmp_path):
 # ---------------------------------------------------------------------------------------
 
 def readme_task_yaml(data: Path) -> str:
-    """The README's local lm-eval task, verbatim, over `data`."""
-    readme = (ROOT / "README.md").read_text()
+    """docs/export.md's local lm-eval task, verbatim, over `data`."""
+    readme = (ROOT / "docs" / "export.md").read_text()
     yaml_text = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
     return yaml_text.replace("/data/my_task.jsonl", str(data))
 
 
 def test_lm_eval_harness_runs_on_the_export_offline(cli_export, tmp_path):
-    """The README's command and local task (a YAML over a JSONL file), with the hub and
+    """docs/export.md's command and local task (a YAML over a JSONL file), with the hub and
     datasets offline: nothing is downloaded."""
     import importlib.util
 

@@ -8,7 +8,7 @@ distinct parameters activated against context length, and the accounting report.
 Models are megatron-stem checkpoints (`--checkpoint`) or Hugging Face exports (`--hf`);
 the dense baseline is optional. `--input` takes what tools/preprocess_data.py reads. Writes
 <output>/analysis.json, angular_spread.png and distinct_params.png, and prints a summary.
-See README.md, "Knowledge editing and analysis".
+See docs/editing.md.
 """
 
 import argparse

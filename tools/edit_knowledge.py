@@ -11,7 +11,7 @@ injections (copy / average / vectors). For each prompt the top-k next tokens are
 before and after: remaps act at inference time (the STEM lookups of the source's positions
 read the target's rows; the text is unchanged) unless `--bake` or `--output`, which write
 them into the rows as the saved model will have them. `--eval` measures edit success and
-locality on a facts file, on the model as loaded. See README.md, "Knowledge editing".
+locality on a facts file, on the model as loaded. See docs/editing.md.
 """
 
 import argparse

@@ -6,7 +6,7 @@
 
 writes data/corpus_text_document.{bin,idx} (Megatron-LM's naming), data/corpus.stats.json
 and, when records were skipped, data/corpus.errors.log. Rerunning an interrupted command
-resumes it. See README.md, "Data preparation".
+resumes it. See docs/data.md.
 """
 
 import argparse

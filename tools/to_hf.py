@@ -6,7 +6,7 @@
 `--checkpoint` is a save dir (its `latest` is exported) or one iter_N folder, written at
 any TP/PP/DP layout. The output loads with
 `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`. Tensors are streamed
-one at a time: memory stays near the largest tensor. See README.md, "Export to Hugging Face".
+one at a time: memory stays near the largest tensor. See docs/export.md.
 """
 
 import argparse
