@@ -1,0 +1,318 @@
+"""Every shell command the docs show works as written.
+
+The README's two set-up commands are run for real elsewhere: the test-suite command is
+`.ci/run`'s, verbatim, and `tools/quickstart.sh` is run by tests/test_quickstart.py. Every
+other command in a ```bash block of README.md, docs/*.md and bench/README.md is checked
+here without running it: the program it names exists, its own argument parser accepts the
+arguments (the real `main` of each tool, stopped right after parsing), recipes load with
+the overrides given, and the environment variables set are ones the script reads. The
+README is also read as one script: every path a command reads must be in the checkout or
+written by a command before it, so its walk-through uses the recipes' own paths.
+"""
+
+import argparse
+import contextlib
+import functools
+import importlib.util
+import io
+import re
+import shlex
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from conftest import ROOT
+from megatron_stem.config import load_recipe
+from megatron_stem.errors import ConfigError
+
+DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
+        "bench/README.md"]
+PYTHONS = {"python", "python3", ".venv/bin/python"}
+# SLURM's own clients: their flags are SLURM's business (the SLURM tests run them).
+SLURM_CLIENTS = {"scancel"}
+# Files the README's table of contents names before they exist (other branches add them).
+PENDING_DOCS = {"docs/checkpoints.md", "docs/tables.md"}
+
+
+def command_lines(doc: str) -> list[str]:
+    """The commands of `doc`'s ```bash blocks, one per line (continuations joined)."""
+    text = (ROOT / doc).read_text()
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            if line.strip() and not line.lstrip().startswith("#"):
+                lines.append(" ".join(line.split()))
+    return lines
+
+
+def commands(line: str) -> list[tuple[dict, list[str]]]:
+    """A command line as its `&&`-chained commands: (environment assignments, words)."""
+    out = []
+    for part in line.split(" && "):
+        words = shlex.split(part)
+        env = {}
+        while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+            name, value = words.pop(0).split("=", 1)
+            env[name] = value
+        out.append((env, words))
+    return out
+
+
+@dataclass
+class Step:
+    """The repository-relative paths a command reads and writes."""
+    reads: list[str] = field(default_factory=list)
+    writes: list[str] = field(default_factory=list)
+
+
+# --- running a CLI's argument parsing, and nothing else ----------------------------------
+
+class _Parsed(Exception):
+    def __init__(self, namespace):
+        self.namespace = namespace
+
+
+def parsed_args(main, argv: list[str], what: str) -> argparse.Namespace:
+    """The namespace `main()` parses from `argv` (its sys.argv[1:]); it is stopped there."""
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(parser, args=None, namespace=None):
+        raise _Parsed(parse(parser, args, namespace))
+
+    stderr = io.StringIO()
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_then_stop), \
+            mock.patch.object(sys, "argv", [what, *argv]), contextlib.redirect_stderr(stderr):
+        try:
+            main()
+        except _Parsed as parsed:
+            return parsed.namespace
+        except SystemExit as e:
+            pytest.fail(f"{what} refuses {argv} (exit {e.code}): {stderr.getvalue()}")
+    pytest.fail(f"{what}: main() returned without parsing its arguments")
+
+
+@functools.cache
+def script_main(path: str):
+    """The `main` of a tools/ or bench/ script, imported without running it."""
+    assert (ROOT / path).is_file(), f"{path} does not exist"
+    spec = importlib.util.spec_from_file_location(f"_docs_{Path(path).stem}", ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def recipe_step(recipe: str, overrides: list[str]) -> Step:
+    """A training run's recipe, validated with `overrides`: its data in, checkpoints out."""
+    try:
+        r = load_recipe(ROOT / recipe, overrides)
+    except ConfigError as e:
+        pytest.fail(f"recipe {recipe} with {overrides}: {e}")
+    return Step(reads=[*r.data.prefixes, r.data.tokenizer_model], writes=[r.train.save_dir])
+
+
+# --- one check per program --------------------------------------------------------------
+
+TOOL_PATHS = {  # what a tool reads and writes, from its parsed arguments
+    "tools/preprocess_data.py": lambda a: Step(
+        reads=[*a.input, a.tokenizer_model],
+        writes=[f"{a.output_prefix}_{key}_document" for key in a.json_keys]),
+    "tools/train_tokenizer.py": lambda a: Step(reads=a.input, writes=[f"{a.output_prefix}.model"]),
+    "tools/to_hf.py": lambda a: Step(reads=[a.checkpoint, *filter(None, [a.tokenizer])],
+                                     writes=[a.output]),
+}
+
+
+def check_script(path: str, args: list[str]) -> Step:
+    ns = parsed_args(script_main(path), args, path)
+    return TOOL_PATHS.get(path, lambda a: Step())(ns)
+
+
+def check_train(args: list[str]) -> Step:
+    from megatron_stem.train import main
+
+    ns = parsed_args(main, args, "python -m megatron_stem.train")
+    return recipe_step(ns.recipe, ns.overrides)
+
+
+def registered_markers() -> set[str]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return {m.split(":")[0] for m in config["tool"]["pytest"]["ini_options"].get("markers", [])}
+
+
+def check_python(args: list[str]) -> Step:
+    if args[:2] == ["-m", "venv"]:
+        return Step(writes=[args[2]])
+    if args[:2] == ["-m", "pytest"]:
+        if "-m" in args[2:]:
+            expression = args[args.index("-m", 2) + 1]
+            names = set(re.findall(r"\w+", expression)) - {"not", "and", "or"}
+            assert names <= registered_markers(), f"unregistered pytest markers {names}"
+        return Step()
+    if args[:2] == ["-m", "megatron_stem.train"]:
+        return check_train(args[2:])
+    assert args and args[0].endswith(".py"), f"python {args}: no check for this form"
+    return check_script(args[0], args[1:])
+
+
+def check_pip(args: list[str]) -> Step:
+    assert args[0] == "install", f"pip {args[0]}: no check for it"
+    for i, word in enumerate(args):
+        if word == "-r":
+            assert (ROOT / args[i + 1]).is_file(), f"pip -r {args[i + 1]}: no such file"
+        if word == "-e":
+            assert (ROOT / args[i + 1] / "pyproject.toml").is_file()
+    return Step()
+
+
+def check_bash(args: list[str]) -> Step:
+    script, *rest = args
+    assert (ROOT / script).is_file(), f"{script} does not exist"
+    if script == "tools/quickstart.sh":  # its arguments are overrides of its recipe
+        recipe_step("recipes/tiny_cpu.yaml", rest)
+        return Step(writes=["runs/quickstart"])
+    assert not rest, f"{script}: arguments are not checked"
+    return Step()
+
+
+def check_torchrun(args: list[str]) -> Step:
+    from torch.distributed.run import get_args_parser
+
+    ns = parsed_args(lambda: get_args_parser().parse_args(), args, "torchrun")
+    assert ns.module and ns.training_script == "megatron_stem.train", args
+    return check_train(ns.training_script_args)
+
+
+def variables_read(*scripts: str) -> set[str]:
+    return {name for s in scripts
+            for name in re.findall(r"\$\{?([A-Z_][A-Z0-9_]*)", (ROOT / s).read_text())}
+
+
+def check_sbatch(args: list[str], env: dict) -> Step:
+    """An sbatch script and the STEM_* settings slurm/launch.sh turns into its command."""
+    script = args[-1]
+    text = (ROOT / script).read_text()
+    assert not set(env) - variables_read("slurm/launch.sh"), f"launch.sh reads no {set(env)}"
+    recipe = env.get("STEM_RECIPE") or re.search(r"STEM_RECIPE:-([^}]+)\}", text)[1]
+    overrides = shlex.split(env.get("STEM_OVERRIDES", ""))
+    if "STEM_DATA" in env:
+        overrides.append(f"data.prefixes=[{','.join(env['STEM_DATA'].split())}]")
+    if "STEM_TOKENIZER" in env:
+        overrides.append(f"data.tokenizer_model={env['STEM_TOKENIZER']}")
+    step = recipe_step(recipe, overrides)
+    job = next((a.split("=", 1)[1] for a in args if a.startswith("--job-name=")),
+               re.search(r"#SBATCH --job-name=(\S+)", text)[1])
+    run = f"{env.get('STEM_OUTPUT', 'runs')}/{env.get('STEM_RUN_NAME', job)}"
+    return Step(reads=step.reads, writes=[env.get("STEM_SAVE_DIR", f"{run}/checkpoints")])
+
+
+def check_preprocess_array(args: list[str], env: dict) -> Step:
+    """slurm/preprocess.sh: its settings, as the tools/preprocess_data.py command they make."""
+    assert not set(env) - variables_read("slurm/preprocess.sbatch"), f"unknown setting in {env}"
+    assert args[0].isdigit(), "slurm/preprocess.sh TASKS [sbatch options]"
+    return check_script("tools/preprocess_data.py", [
+        "--input", *env["INPUT"].split(), "--output-prefix", env["OUTPUT_PREFIX"],
+        "--tokenizer-type", env.get("TOKENIZER_TYPE", "sentencepiece"),
+        "--tokenizer-model", env["TOKENIZER_MODEL"], *shlex.split(env.get("EXTRA_ARGS", ""))])
+
+
+def check_lm_eval(args: list[str]) -> Step:
+    from lm_eval.__main__ import cli_evaluate
+
+    ns = parsed_args(cli_evaluate, args, "lm_eval")
+    return Step(reads=[ns.model_args["pretrained"]])
+
+
+@functools.cache
+def hf_help(subcommand: str) -> str:
+    from huggingface_hub.cli.hf import app
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        app.main([subcommand, "--help"], prog_name="hf", standalone_mode=False)
+    return out.getvalue()
+
+
+def check_hf(args: list[str]) -> Step:
+    """`hf download REPO [FILES] --option value ...` (every option used takes a value)."""
+    assert args[0] == "download", f"hf {args[0]}: no check for it"
+    files, options, words = [], {}, iter(args[2:])
+    for word in words:
+        if word.startswith("--"):
+            flag = rf"(?<![\w-]){word}(?![\w-])"
+            assert re.search(flag, hf_help("download")), f"hf download has no {word}"
+            options[word] = next(words)
+        else:
+            files.append(word)
+    target = options["--local-dir"]
+    return Step(writes=[f"{target}/{f}" for f in files] or [target])
+
+
+def check(env: dict, words: list[str]) -> Step:
+    prog, *args = words
+    if prog in PYTHONS:
+        return check_python(args)
+    if Path(prog).name == "pip":
+        return check_pip(args)
+    handlers = {"bash": check_bash, "torchrun": check_torchrun, "lm_eval": check_lm_eval,
+                "hf": check_hf}
+    if prog in handlers:
+        assert not env, f"{prog}: environment {env} is not checked"
+        return handlers[prog](args)
+    if prog == "sbatch":
+        return check_sbatch(args, env)
+    if prog == "slurm/preprocess.sh":
+        return check_preprocess_array(args, env)
+    if prog in SLURM_CLIENTS:
+        return Step()
+    pytest.fail(f"no check for `{prog}`: teach tests/test_docs.py how to check it")
+
+
+# --- the tests --------------------------------------------------------------------------
+
+ALL_LINES = [(doc, line) for doc in DOCS for line in command_lines(doc)]
+
+
+@pytest.mark.parametrize("doc,line", ALL_LINES, ids=[f"{d}:{ln[:60]}" for d, ln in ALL_LINES])
+def test_command_is_accepted_as_written(doc, line):
+    for env, words in commands(line):
+        check(env, words)
+
+
+def test_readme_commands_read_only_what_the_checkout_has_or_an_earlier_command_wrote():
+    written = []
+    for line in command_lines("README.md"):
+        for env, words in commands(line):
+            step = check(env, words)
+            for path in step.reads:
+                assert (ROOT / path).exists() or any(
+                    path == w or path.startswith(w.rstrip("/") + "/") for w in written), \
+                    f"README: `{line}` reads {path}, which no command before it writes"
+            written += step.writes
+
+
+def test_readme_setup_commands_are_the_ones_ci_and_the_quickstart_test_run():
+    lines = command_lines("README.md")
+    install = "python3 -m venv .venv && .venv/bin/pip install -q -r requirements-dev.txt"
+    tests = f"{install} && .venv/bin/python -m pytest -q"
+    assert tests in lines and tests in (ROOT / ".ci" / "run").read_text()
+    assert f"{install} && bash tools/quickstart.sh" in lines
+    assert '"quickstart.sh"' in (ROOT / "tests" / "test_quickstart.py").read_text()
+
+
+def test_1b_sbatch_comments_name_the_recipes_paths():
+    for model in ("stem_1b", "dense_1b"):
+        recipe = load_recipe(ROOT / "recipes" / f"{model}.yaml")
+        comments = (ROOT / "slurm" / f"{model}.sbatch").read_text()
+        for path in (*recipe.data.prefixes, recipe.data.tokenizer_model):
+            assert path in comments, f"slurm/{model}.sbatch: say where {path} comes from"
+
+
+def test_readme_links_resolve_and_list_every_doc():
+    links = set(re.findall(r"\]\(([^)#:]+)\)", (ROOT / "README.md").read_text()))
+    missing = {link for link in links if not (ROOT / link).exists()} - PENDING_DOCS
+    assert not missing, f"README links to missing files: {missing}"
+    assert set(DOCS[1:]) <= links, f"not in the README's table: {set(DOCS[1:]) - links}"
