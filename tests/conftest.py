@@ -127,6 +127,13 @@ def hf_tokenizer(tmp_path_factory, corpus_texts) -> str:
 # --- knowledge editing and analysis: tiny STEM and dense models that learned facts, once ---
 
 
+def pytest_collection_modifyitems(items):
+    """A test that needs `facts_models` (a minute of training) is an integration test."""
+    for item in items:
+        if "facts_models" in item.fixturenames:
+            item.add_marker(pytest.mark.integration)
+
+
 @pytest.fixture(scope="session")
 def facts_models(world1, tmp_path_factory):
     """`workers/facts.py`'s STEM model and dense control, trained in this process and

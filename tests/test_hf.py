@@ -32,6 +32,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 from megatron_stem.hf.remote.configuration_stem import StemConfig  # noqa: E402
 from megatron_stem.hf.remote.modeling_stem import StemForCausalLM  # noqa: E402
 
+pytestmark = pytest.mark.integration  # the reference checkpoints come from torchrun runs
+
 VOCAB = TINY["vocab_size"]  # 300 real ids; megatron pads embeddings/logits to 384
 CASES = ["stem_tp2", "stem_pp2", "dense_tp2", "dense_pp2"]
 HF_SOURCES = {"hf_stem": dict(stem_layers=[1, 3], tie_word_embeddings=False),

@@ -240,6 +240,7 @@ def test_host_tables_stay_on_the_host_through_moves_and_casts(world1):
     assert model.decoder.layers[0].mlp.linear_fc1.weight.dtype == torch.bfloat16
 
 
+@pytest.mark.integration
 def test_shared_copy_and_row_owners_on_two_ranks(tmp_path):
     """Two data-parallel ranks: one host copy shared by both (each updates its own rows),
     and two copies (one per rank, synced by the cross-copy all-reduce), give exactly the

@@ -11,6 +11,7 @@ import torch
 
 from conftest import merge_rank_dumps, torchrun
 
+pytestmark = pytest.mark.integration  # every test compares torchrun runs
 
 
 def _run(tmp_path_factory, name, nproc, *args):

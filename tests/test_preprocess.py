@@ -274,6 +274,7 @@ def test_on_error_fail_stops_with_file_and_line(tmp_path, sp_model, line, reason
     assert not (tmp_path / "out_text_document.bin").exists()
 
 
+@pytest.mark.integration
 def test_cli_errors_are_one_line(tmp_path, sp_model):
     data, _ = bad_jsonl()
     write(tmp_path / "bad.jsonl", data)
@@ -370,6 +371,7 @@ def test_same_bytes_whatever_workers_and_chunking(shards, reference, sp_model, t
     assert stats["shards"] == 8
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("how", ["kill the job", "terminate"])
 def test_killed_run_resumes_to_the_same_bytes(shards, reference, sp_model, tmp_path, how):
     prefix = tmp_path / "out"
@@ -431,6 +433,7 @@ def test_array_groups_then_merge(shards, reference, sp_model, tmp_path):
     assert stats["this_run"]["documents"] == 0 and stats["documents"] == 1504
 
 
+@pytest.mark.integration
 def test_slurm_scripts_run_without_slurm(shards, reference, sp_model, tmp_path):
     """slurm/preprocess.sbatch as SLURM would run it (array tasks, then the merge task)."""
     env = subprocess_env(INPUT=str(shards), OUTPUT_PREFIX=str(tmp_path / "out"),

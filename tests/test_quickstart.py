@@ -4,7 +4,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, subprocess_env
+
+pytestmark = pytest.mark.integration  # tools/quickstart.sh end to end
 
 
 def test_quickstart_trains_with_decreasing_loss(tmp_path):

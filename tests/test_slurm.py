@@ -22,6 +22,8 @@ import pytest
 from conftest import ROOT, subprocess_env, tensorboard_steps
 from slurm_cluster import SlurmCluster, _netns_pids, missing_tools
 
+pytestmark = pytest.mark.integration  # a real two-node SLURM cluster
+
 if os.environ.get("STEM_SKIP_SLURM_TESTS") == "1":
     pytest.skip("STEM_SKIP_SLURM_TESTS=1", allow_module_level=True)
 

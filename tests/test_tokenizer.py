@@ -84,6 +84,7 @@ def test_sample_is_bounded_uniform_and_seeded(tmp_path):
     assert max(int(t.split()[-1]) for t in sample) > 600
 
 
+@pytest.mark.integration
 def test_train_tokenizer_cli(tmp_path):
     prefix = tmp_path / "tok" / "gcide"
     proc = subprocess.run(

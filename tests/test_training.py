@@ -16,6 +16,8 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from conftest import ROOT, subprocess_env, tensorboard_steps, torchrun
 from workers.common import TINY
 
+pytestmark = pytest.mark.integration  # the trainer runs under torchrun
+
 
 @pytest.fixture(scope="module")
 def toy_data(tmp_path_factory):
