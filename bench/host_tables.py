@@ -67,7 +67,7 @@ def bench_gather(args) -> None:
     print(f"{'threads':>8}{'GB/s':>8}{'vs copy':>9}")
     for threads in sorted({1, 2, 4, os.cpu_count() or 1}):
         pool = ThreadPoolExecutor(threads) if threads > 1 else None
-        rate = nbytes / _best(lambda: gather_rows(table, ids, out, pool), args.repeats) / 1e9
+        rate = nbytes / _best(lambda: gather_rows(table, ids, out, pool), args.repeats) / 1e9  # noqa: B023
         print(f"{threads:>8}{rate:>8.2f}{rate / memcpy:>9.2f}")
         if pool is not None:
             pool.shutdown()

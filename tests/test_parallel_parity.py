@@ -35,7 +35,7 @@ def assert_same(result, reference, atol=1e-5, logits=True):
     for kind in ("params", "grads"):
         for name, value in reference[kind].items():
             torch.testing.assert_close(result[kind][name], value, atol=atol, rtol=1e-4,
-                                       msg=lambda m: f"{kind} {name}: {m}")
+                                       msg=lambda m: f"{kind} {name}: {m}")  # noqa: B023
     if logits:
         torch.testing.assert_close(result["logits"], reference["logits"], atol=atol, rtol=1e-4)
 
