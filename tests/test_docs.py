@@ -98,7 +98,8 @@ def parsed_args(main, argv: list[str], what: str) -> argparse.Namespace:
 def script_main(path: str):
     """The `main` of a tools/ or bench/ script, imported without running it."""
     assert (ROOT / path).is_file(), f"{path} does not exist"
-    spec = importlib.util.spec_from_file_location(f"_docs_{Path(path).stem}", ROOT / path)
+    name = "_docs_" + re.sub(r"\W", "_", path)  # tools/x.py and bench/x.py may share a stem
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.main
