@@ -286,6 +286,11 @@ class TableOptimConfig:
     weight_decay: float = 0.1
     # "deepspeed": DeepSpeed's CPU Adam kernel (JIT-built once); "torch": same math in torch.
     kernel: Literal["deepspeed", "torch"] = "deepspeed"
+    # Who keeps and updates the tables' fp32 master and Adam moments (docs/tables.md).
+    # "sharded": each data-parallel rank 1/n of the rows (CPU state and CPU Adam work per
+    # rank = total / n; gradients go to the rows' owners, updated rows come back).
+    # "replicated": every rank (device placement) or every node's copy (host) all of it.
+    partition: Literal["sharded", "replicated"] = "sharded"
     # Where the tables live (training/host_tables.py). "device": on the accelerator, one
     # replica per rank. "host": in CPU memory, one copy per node shared by its ranks; each
     # micro-batch's rows are gathered and copied to the accelerator one micro-batch ahead.

@@ -197,8 +197,7 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
                 scalars = {"train/loss": loss, "train/lr": lr,
                            "grad_norm/total": norms.total, "grad_norm/backbone": norms.backbone,
                            "grad_norm/tables": norms.tables,
-                           "tables/unique_rows": tables.touched_rows,
-                           "tables/dp_comm_bytes": tables.last_comm_bytes,
+                           **{f"tables/{k}": v for k, v in tables.stats().items()},
                            "throughput/tokens_per_s": tok_s, "memory/gb": memory_gb()}
                 extra = ""  # MFU and host-table figures, where there are any
                 if torch.cuda.is_available():

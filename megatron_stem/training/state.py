@@ -8,6 +8,7 @@ with its `safe_get_full_*` API on save and scattered back with `safe_set_full_*`
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -41,15 +42,33 @@ def _dense_states(param) -> dict[str, torch.Tensor]:
             "exp_avg_sq": safe_get_full_optimizer_state(param, "exp_avg_sq")}
 
 
+def _row_shard(sh: ShardedTensor, tensor: torch.Tensor, prefix: str,
+               shard: tuple[int, int, int, int]) -> ShardedTensor:
+    """The optimizer state of a table's row shard (`tables.partition: sharded`): rows
+    [first, first + rows) of the table's TP slice `sh`, held by this rank alone."""
+    first, rows, count, _ = shard
+    return replace(sh, key=f"{prefix}.{sh.key}", data=tensor, dtype=tensor.dtype,
+                   local_shape=(rows, *sh.local_shape[1:]),
+                   global_offset=(sh.global_offset[0] + first, *sh.global_offset[1:]),
+                   axis_fragmentations=(count, *sh.axis_fragmentations[1:]),
+                   replica_id=(0,) * len(sh.replica_id) if isinstance(sh.replica_id, tuple)
+                   else 0)
+
+
 def _optimizer_sharded_state(model, tables: TableOptimizer, states_of) -> dict:
     """{`<state>.<param key>`: sharded tensor} for every parameter; `states_of(name, p)`
-    returns the parameter's three state tensors."""
+    returns the parameter's three state tensors. The same global tensors whatever the
+    layout (TP, DP, table partition), so any layout loads what any other saved."""
     shardings = _param_shardings(model)
+    table_names, shard = set(tables.state_tensors()), tables.shard()
     out = {}
     for name, param in model.named_parameters():
         sh = shardings[id(param)]
         for key, tensor in states_of(name, param).items():
-            out[f"{key}.{sh.key}"] = make_sharded_optimizer_tensor(sh, tensor, f"optimizer.{key}")
+            prefix = f"optimizer.{key}"
+            out[f"{key}.{sh.key}"] = _row_shard(sh, tensor, prefix, shard) \
+                if name in table_names and shard is not None \
+                else make_sharded_optimizer_tensor(sh, tensor, prefix)
     return out
 
 
@@ -105,8 +124,8 @@ def load_optimizers(model, zero_optimizer, tables: TableOptimizer, ckpt: Path,
     _link_optimizer_states(zero_optimizer)
 
     def placeholders(name, param):
-        if name in table_states:
-            return {k: torch.empty_like(v) for k, v in table_states[name].items()}
+        if name in table_states:  # loaded in place: no second copy of the tables' state
+            return table_states[name]
         return {k: torch.empty(param.shape, dtype=torch.float32) for k in STATE_KEYS}
 
     loaded = dist_checkpointing.load(
