@@ -33,13 +33,14 @@ def toy_data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def train(toy_data, tmp_path_factory):
-    def run(nproc, *overrides, name="run", save_dir=None, preempt_at=0):
+    def run(nproc, *overrides, name="run", save_dir=None, preempt_at=0, rss=False):
         folder = tmp_path_factory.mktemp(name)
         out = folder / "result.json"
-        options = ["--data", toy_data, "--out", out, "--preempt-at", preempt_at]
+        options = ["--data", toy_data, "--out", out, "--preempt-at", preempt_at,
+                   *(["--rss"] if rss else [])]
         torchrun(nproc, "train_worker.py", *options,
                  f"train.save_dir={save_dir or folder / 'ckpt'}", *overrides)
-        return json.loads(out.read_text())
+        return {**json.loads(out.read_text()), "folder": folder}
     return run
 
 
