@@ -202,3 +202,15 @@ def test_sharded_state_at_dp4_across_a_resume_matches_the_replicated_reference(
     second = train(4, *sharded, save_dir=tmp_path, name="sharded_resumed")
     assert first["step"] == 15 and second["step"] == 30
     assert_same_curve(first["losses"] + second["losses"], reference["losses"], rel=1e-6)
+
+
+@pytest.mark.parametrize("update", ["dense", "lazy"])
+def test_update_overlapped_with_the_next_step_gives_the_same_curve(train, update):
+    """`tables.overlap: next_step` updates the rows the next step reads first and the rest
+    while it runs: the same arithmetic, so the loss curve of the serial update, bit for
+    bit, with the state sharded over two ranks."""
+    serial = train(2, f"tables.update={update}", name="serial")
+    overlapped = train(2, f"tables.update={update}", "tables.overlap=next_step",
+                       name="overlapped")
+    assert overlapped["losses"] == serial["losses"]
+    assert overlapped["valid"] == serial["valid"]

@@ -215,7 +215,7 @@ def build_engine(model: torch.nn.Module, recipe: Recipe):
         tables, update=tab.update, lr_mult=tab.lr_mult, weight_decay=tab.weight_decay,
         betas=(opt.beta1, opt.beta2), eps=opt.eps, kernel=tab.kernel,
         dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
-        host=host, partition=tab.partition)
+        host=host, partition=tab.partition, overlap=tab.overlap)
     norms = GradNorms()
     _include_tables_in_grad_norm(optimizer, table_optimizer, norms)
     return engine, table_optimizer, norms

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stem import parallel
+from megatron_stem.training.table_overlap import Overlap
 from megatron_stem.training.table_shards import RowShards, TrafficCounters
 
 _kernel_ids = itertools.count(10_000)  # DeepSpeed keys CPU Adam instances by integer id
@@ -114,7 +115,7 @@ class TableOptimizer:
     def __init__(self, tables: list[tuple[str, torch.nn.Parameter]], update: str,
                  lr_mult: float, weight_decay: float, betas: tuple[float, float],
                  eps: float = 1e-8, kernel: str = "deepspeed", dp_group=None, tp_group=None,
-                 host=None, partition: str = "sharded"):
+                 host=None, partition: str = "sharded", overlap: str = "none"):
         if update not in ("dense", "lazy"):
             raise ValueError(f"unknown table update {update!r}")
         if partition not in ("sharded", "replicated"):
@@ -125,6 +126,12 @@ class TableOptimizer:
         self.copy = host.copy if host is not None else None
         self.shards = RowShards(tables[0][1].shape[0], dp_group) \
             if partition == "sharded" and tables else None
+        if overlap not in ("none", "next_step"):
+            raise ValueError(f"unknown table overlap {overlap!r}")
+        if overlap == "next_step" and (self.shards is None or host is not None):
+            raise ValueError("table overlap next_step needs sharded, device-placed tables")
+        # `next_step`: the update runs while the next step computes (training/table_overlap.py)
+        self.overlap = Overlap(dp_group) if overlap == "next_step" and tables else None
         self.kernel = AdamKernel(kernel, betas, eps)
         self.step_count = 0
         self.tables = [self._state(name, p) for name, p in tables]
@@ -136,6 +143,7 @@ class TableOptimizer:
         """This rank's figures for the last step's table path (logged as `tables/*`):
         what it moved (`TrafficCounters`), the distinct rows over data parallel, and the
         CPU memory of the optimizer state it holds (its share of a shared copy's)."""
+        self.finish()
         state = sum((t.master.numel() * 4 if t.separate else 0) +
                     (t.exp_avg.numel() + t.exp_avg_sq.numel()) * 4 for t in self.tables)
         if self.shards is None and self.copy is not None:
@@ -176,7 +184,15 @@ class TableOptimizer:
     def host_stats(self) -> dict[str, float]:
         return self.host.take_stats() if self.host is not None else {}
 
+    def finish(self) -> None:
+        """Wait for an overlapped update (`overlap: next_step`) to be complete: before the
+        tables are read whole (evaluation, a save) or the next gradients are taken."""
+        if self.overlap is not None:
+            self.overlap.finish()
+
     def close(self) -> None:
+        if self.overlap is not None:
+            self.overlap.close()
         if self.host is not None:
             self.host.close()
 
@@ -185,6 +201,7 @@ class TableOptimizer:
     def sync_grads(self) -> None:
         """Coalesce each table's row gradients and average them over data parallel: on
         the rows' owners (`sharded`), or on every rank / each copy's owners (`replicated`)."""
+        self.finish()
         self.counters.reset()
         if self.shards is not None:
             self._sync_to_owners()
@@ -345,11 +362,19 @@ class TableOptimizer:
 
     # -- update -------------------------------------------------------------------------
 
-    def step(self, lr: float, clip_coef: float = 1.0) -> None:
+    def step(self, lr: float, clip_coef: float = 1.0,
+             next_ids: list[torch.Tensor] | None = None) -> None:
+        """Update every table with the gradients of `sync_grads`, scaled by `clip_coef`.
+        `next_ids`: the token ids of this rank's next step; with `overlap: next_step` the
+        update then finishes in the background while that step runs."""
+        self.finish()
         if self.host is not None:
             self.host.wait_idle()  # nothing may read a table while it is written
         self.step_count += 1
         lr = lr * self.lr_mult
+        if self.overlap is not None and next_ids is not None:
+            self._launch_overlapped(lr, clip_coef, next_ids)
+            return
         changed = self._changed_rows()
         for t in self.tables:
             grad = t.grad * clip_coef if clip_coef != 1.0 else t.grad
@@ -393,9 +418,15 @@ class TableOptimizer:
 
     def _lazy_update(self, t: TableState, grad: torch.Tensor, lr: float) -> torch.Tensor:
         """Adam on the touched rows; returns their new fp32 values."""
-        rows = t.rows - t.offset
-        # Gather the touched rows into contiguous buffers (the kernel needs contiguous
-        # memory), update them, scatter back.
+        return self._update_rows(t, t.rows, grad, lr)
+
+    def _update_rows(self, t: TableState, rows: torch.Tensor, grad: torch.Tensor,
+                     lr: float) -> torch.Tensor:
+        """Adam on table rows `rows` (sorted, owned) with gradients `grad`; returns their
+        new fp32 values. (Per element the arithmetic of the chunked dense update.)"""
+        rows = rows - t.offset
+        # Gather the rows into contiguous buffers (the kernel needs contiguous memory),
+        # update them, scatter back.
         param, m, v = (x.index_select(0, rows) for x in (t.master, t.exp_avg, t.exp_avg_sq))
         if rows.numel():
             self.kernel.update(self.step_count, lr, self.weight_decay, param,
@@ -404,6 +435,37 @@ class TableOptimizer:
             dst.index_copy_(0, rows, src)
         self.counters.adam_elements += param.numel()
         return param
+
+    def _launch_overlapped(self, lr: float, clip_coef: float,
+                           next_ids: list[torch.Tensor]) -> None:
+        """Split each table's update into the rows the next step reads (first, table by
+        table) and the rest, and run both in the background (training/table_overlap.py)."""
+        ids = torch.unique(torch.cat([i.flatten() for i in next_ids]))
+        needed = self.shards.needed_by_any(ids.to(parallel.device()), self.counters).cpu()
+        owned = torch.arange(self.shards.lo, self.shards.hi)
+        first, rest = [], []
+        for t in self.tables:
+            grad = t.grad * clip_coef if clip_coef != 1.0 else t.grad
+            rows = owned if self.update_mode == "dense" else t.rows  # the rows that change
+            now = torch.isin(rows, needed)
+            first.append((t.param, self._row_job(t, rows[now], t.rows, grad, lr)))
+            rest.append(self._row_job(t, rows[~now], t.rows, grad, lr))
+            t.rows = t.grad = None
+        self.overlap.launch(first, rest)
+
+    def _row_job(self, t: TableState, rows: torch.Tensor, touched: torch.Tensor,
+                 grad: torch.Tensor, lr: float):
+        """The update of table rows `rows` and their publication, as a job for `Overlap`:
+        gradients of the `touched` rows from `grad`, zero for the others."""
+        at = torch.searchsorted(touched, rows).clamp(max=max(touched.numel() - 1, 0))
+        hit = touched[at] == rows if touched.numel() else torch.zeros_like(rows, dtype=bool)
+        grads = torch.zeros(rows.numel(), t.master.shape[1])
+        grads[hit] = grad[at[hit]]
+
+        def job(group):
+            values = self._update_rows(t, rows, grads, lr)
+            self.shards.gather_rows(t.param.data, rows, values, group, self.counters)
+        return job
 
     def _publish_shard(self, t: TableState) -> None:
         """`dense`: the updated rows to every holder of the table (module docstring)."""
@@ -438,6 +500,7 @@ class TableOptimizer:
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """{table name: {"fp32_param", "exp_avg", "exp_avg_sq"}}, this rank's slices (its
         shard's rows under `sharded`, see `shard()`)."""
+        self.finish()
         return {t.name: {"fp32_param": t.master, "exp_avg": t.exp_avg,
                          "exp_avg_sq": t.exp_avg_sq} for t in self.tables}
 

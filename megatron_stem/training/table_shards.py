@@ -81,23 +81,37 @@ class RowShards:
         global ids) and their summed gradients in fp32, both on `values`' device."""
         if self.size == 1:
             return rows, values.float()
-        device = values.device
+        incoming, send, recv = self._rows_to_owners(rows, counters)
+        grads = torch.empty(sum(recv), values.shape[1], dtype=values.dtype, device=values.device)
+        dist.all_to_all_single(grads, values.contiguous(), recv, send, group=self.group)
+        counters.grad_bytes += (rows.numel() - send[self.rank]) * values.shape[1] * \
+            values.element_size()
+        owned, where = torch.unique(incoming, return_inverse=True)
+        # Summed in arrival order (rank 0's rows first), in fp32 whatever the wire dtype.
+        summed = torch.zeros(owned.numel(), values.shape[1], dtype=torch.float32,
+                             device=values.device)
+        summed.index_add_(0, where, grads.float())
+        return owned, summed
+
+    def _rows_to_owners(self, rows: torch.Tensor, counters: TrafficCounters):
+        """Send each of `rows` (sorted) to its owner: (the rows this rank received, rows
+        sent to each rank, rows received from each rank)."""
         sent = torch.bincount(rows // self.rows, minlength=self.size)
         received = torch.empty_like(sent)
         dist.all_to_all_single(received, sent, group=self.group)
         send, recv = sent.tolist(), received.tolist()
-        incoming = torch.empty(sum(recv), dtype=rows.dtype, device=device)
+        incoming = torch.empty(sum(recv), dtype=rows.dtype, device=rows.device)
         dist.all_to_all_single(incoming, rows, recv, send, group=self.group)
-        grads = torch.empty(sum(recv), values.shape[1], dtype=values.dtype, device=device)
-        dist.all_to_all_single(grads, values.contiguous(), recv, send, group=self.group)
-        others = rows.numel() - send[self.rank]
-        counters.index_bytes += 2 * self.size * sent.element_size() + others * rows.element_size()
-        counters.grad_bytes += others * values.shape[1] * values.element_size()
-        owned, where = torch.unique(incoming, return_inverse=True)
-        # Summed in arrival order (rank 0's rows first), in fp32 whatever the wire dtype.
-        summed = torch.zeros(owned.numel(), values.shape[1], dtype=torch.float32, device=device)
-        summed.index_add_(0, where, grads.float())
-        return owned, summed
+        counters.index_bytes += 2 * self.size * sent.element_size() + \
+            (rows.numel() - send[self.rank]) * rows.element_size()
+        return incoming, send, recv
+
+    def needed_by_any(self, rows: torch.Tensor, counters: TrafficCounters) -> torch.Tensor:
+        """The owned rows that any rank needs (`rows`: this rank's sorted unique ids),
+        sorted: an all-to-all of row ids, like `to_owners` without the gradients."""
+        if self.size == 1:
+            return rows
+        return torch.unique(self._rows_to_owners(rows, counters)[0])
 
     # -- 3. updated rows to every holder --------------------------------------------------
 
