@@ -286,6 +286,15 @@ class TableOptimConfig:
     weight_decay: float = 0.1
     # "deepspeed": DeepSpeed's CPU Adam kernel (JIT-built once); "torch": same math in torch.
     kernel: Literal["deepspeed", "torch"] = "deepspeed"
+    # Who keeps and updates the tables' fp32 master and Adam moments (docs/tables.md).
+    # "sharded": each data-parallel rank 1/n of the rows (CPU state and CPU Adam work per
+    # rank = total / n; gradients go to the rows' owners, updated rows come back).
+    # "replicated": every rank (device placement) or every node's copy (host) all of it.
+    partition: Literal["sharded", "replicated"] = "sharded"
+    # "next_step": a step's table update finishes while the next step computes, the rows
+    # that step reads first (same results, docs/tables.md); needs partition: sharded and
+    # placement: device. "none": the update runs after the last backward.
+    overlap: Literal["none", "next_step"] = "none"
     # Where the tables live (training/host_tables.py). "device": on the accelerator, one
     # replica per rank. "host": in CPU memory, one copy per node shared by its ranks; each
     # micro-batch's rows are gathered and copied to the accelerator one micro-batch ahead.
@@ -305,6 +314,11 @@ class TableOptimConfig:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.gather_threads < 1:
             raise ConfigError(f"gather_threads: must be >= 1, got {self.gather_threads}")
+        if self.overlap == "next_step" and (self.partition, self.placement) != \
+                ("sharded", "device"):
+            raise ConfigError("overlap: next_step needs partition: sharded and placement: "
+                              f"device (got partition: {self.partition}, placement: "
+                              f"{self.placement})")
         if self.placement == "device":
             for name in ("cache_rows", "ranks_per_copy"):
                 if getattr(self, name):

@@ -91,6 +91,7 @@ def train_step(engine, tables, microbatches: list[dict]) -> float:
 @torch.no_grad()
 def evaluate(model, microbatches: list[dict], tables=None) -> float:
     if tables is not None:
+        tables.finish()  # an overlapped update: every row in place
         tables.stage(microbatches, requires_grad=False)
     model.eval()
     loss = sum(_token_mean_loss(model, b).item() for b in microbatches) / len(microbatches)
@@ -115,6 +116,7 @@ def _check_resumable(ckpt: Path) -> None:
 
 
 def _save(save_dir, step, recipe, model, engine, tables) -> None:
+    tables.finish()  # an overlapped update: the model's tables complete
     with checkpoint.Writer(save_dir, step, recipe, recipe.train.keep_last) as folder:
         checkpoint.save_model(model, folder)
         save_optimizers(model, engine.optimizer, tables, folder)
@@ -181,12 +183,16 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
         tokens_per_step = train.global_batch_size * recipe.model.seq_length
         flops_per_token = 6 * account(recipe.model).active_params + \
             12 * recipe.model.num_layers * recipe.model.hidden_size * recipe.model.seq_length
+        upcoming = batches.microbatches(step) if step < train.steps else None
         while step < train.steps:
             lr = lr_at(step, opt, train.steps)
             for group in engine.optimizer.param_groups:
                 group["lr"] = lr
-            loss = _mean_over_dp(train_step(engine, tables, batches.microbatches(step)))
-            tables.step(lr, clip_coefficient(norms, opt.clip_grad))
+            loss = _mean_over_dp(train_step(engine, tables, upcoming))
+            # The next step's batch, now: an overlapped table update puts its rows first.
+            upcoming = batches.microbatches(step + 1) if step + 1 < train.steps else None
+            tables.step(lr, clip_coefficient(norms, opt.clip_grad),
+                        next_ids=upcoming and [mb["tokens"] for mb in upcoming])
             step += 1
             result["losses"].append(loss)
             if on_step is not None:
@@ -197,8 +203,7 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
                 scalars = {"train/loss": loss, "train/lr": lr,
                            "grad_norm/total": norms.total, "grad_norm/backbone": norms.backbone,
                            "grad_norm/tables": norms.tables,
-                           "tables/unique_rows": tables.touched_rows,
-                           "tables/dp_comm_bytes": tables.last_comm_bytes,
+                           **{f"tables/{k}": v for k, v in tables.stats().items()},
                            "throughput/tokens_per_s": tok_s, "memory/gb": memory_gb()}
                 extra = ""  # MFU and host-table figures, where there are any
                 if torch.cuda.is_available():

@@ -243,12 +243,16 @@ def test_host_tables_stay_on_the_host_through_moves_and_casts(world1):
 @pytest.mark.integration
 def test_shared_copy_and_row_owners_on_two_ranks(tmp_path):
     """Two data-parallel ranks: one host copy shared by both (each updates its own rows),
-    and two copies (one per rank, synced by the cross-copy all-reduce), give exactly the
-    tables and Adam moments of device-resident tables, for both update semantics."""
+    and two copies (one per rank, synced by the cross-copy all-reduce), each with the
+    optimizer state replicated or sharded over the ranks, and device tables with sharded
+    state, give exactly the tables and Adam moments of device-resident tables with
+    replicated state, for both update semantics."""
     out = tmp_path / "result.json"
     torchrun(2, "host_tables_worker.py", out)
     result = json.loads(out.read_text())
-    assert result["copy_sizes"] == {"shared": 2, "per_rank": 1}
+    assert result["copy_sizes"] == {"shared": 2, "per_rank": 1, "shared_sharded": 2,
+                                    "per_rank_sharded": 1}
+    assert len(result["max_diff"]) == 2 * 5
     assert result["owners_disjoint"] and result["shared_memory_seen"]
     assert result["leftover_shm_files"] == []
     for case, diff in result["max_diff"].items():

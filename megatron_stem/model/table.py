@@ -57,6 +57,10 @@ class StemTable(MegatronModule):
     it is the table optimizer's master copy. A forward reads the rows of its micro-batch,
     staged on the accelerator by the `HostTableStore` set in `self.host`
     (`training/host_tables.py`); their gradients go to the store's staged rows, not here.
+
+    `weight.pending_rows`: while the table optimizer is still writing rows this forward
+    may read (`tables.overlap: next_step`, training/table_overlap.py), a callable that
+    returns once they are in place; a lookup calls it first.
     """
 
     sparse_grad = False
@@ -98,6 +102,9 @@ class StemTable(MegatronModule):
         weight.stem_table = True
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        pending = getattr(self.weight, "pending_rows", None)
+        if pending is not None:
+            pending()
         if self.placement == "host":
             if self.host is None:
                 raise RuntimeError("a host-placed STEM table has no HostTableStore: build "

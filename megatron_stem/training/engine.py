@@ -161,23 +161,25 @@ def _available_host_bytes() -> int | None:
     return None
 
 
-def check_table_memory(tables, placement: str) -> None:
-    """With `placement: device` every rank keeps the tables' fp32 master and Adam moments
-    in CPU memory (63 GB per rank at 1B). Say so before allocating, rather than let the
-    kernel's OOM killer take down a rank midway through start-up. Called before the
-    engine's collectives: no rank has allocated its share when any rank checks."""
+def check_table_memory(tables, placement: str, shards: int = 1) -> None:
+    """With `placement: device` every rank keeps its part of the tables' fp32 master and
+    Adam moments in CPU memory (1/`shards` of 63 GB per rank at 1B). Say so before
+    allocating, rather than let the kernel's OOM killer take down a rank midway through
+    start-up. Called before the engine's collectives: no rank has allocated its share
+    when any rank checks."""
     if placement != "device" or not tables:
         return
     available = _available_host_bytes()
     ranks = local_world_size()
-    need = cpu_state_bytes(tables) * ranks
+    need = cpu_state_bytes(tables, shards) * ranks
     if available is not None and need > available:
         raise ConfigError(
             f"tables.placement: device keeps the tables' fp32 master and Adam moments in "
             f"every rank's CPU memory: {need / 2**30:.1f} GiB for {ranks} rank(s) on this "
             f"node, which has {available / 2**30:.1f} GiB available. Use "
-            "tables.placement=host (one shared copy per node), more tensor parallelism, or "
-            "fewer ranks per node")
+            "tables.placement=host (one shared copy per node), tables.partition=sharded "
+            "(1/n of it per data-parallel rank), more tensor parallelism, or fewer ranks "
+            "per node")
 
 
 def build_engine(model: torch.nn.Module, recipe: Recipe):
@@ -187,7 +189,9 @@ def build_engine(model: torch.nn.Module, recipe: Recipe):
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     decay, no_decay, tables = split_parameters(model)
-    check_table_memory(tables, recipe.tables.placement)
+    sharded = recipe.tables.partition == "sharded"
+    check_table_memory(tables, recipe.tables.placement,
+                       ps.get_data_parallel_world_size() if sharded else 1)
     host_tables = []
     for module in model.modules():
         if isinstance(module, StemTable):
@@ -211,7 +215,7 @@ def build_engine(model: torch.nn.Module, recipe: Recipe):
         tables, update=tab.update, lr_mult=tab.lr_mult, weight_decay=tab.weight_decay,
         betas=(opt.beta1, opt.beta2), eps=opt.eps, kernel=tab.kernel,
         dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
-        host=host)
+        host=host, partition=tab.partition, overlap=tab.overlap)
     norms = GradNorms()
     _include_tables_in_grad_norm(optimizer, table_optimizer, norms)
     return engine, table_optimizer, norms

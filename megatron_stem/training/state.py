@@ -8,6 +8,7 @@ with its `safe_get_full_*` API on save and scattered back with `safe_set_full_*`
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,6 +29,9 @@ from megatron_stem.training.table_optim import TableOptimizer
 OPTIM = "optim"
 TRAIN_STATE = "train_state.pt"
 STATE_KEYS = ("fp32_param", "exp_avg", "exp_avg_sq")
+# A resume holds the full fp32 states of this many bytes of dense parameters at a time
+# (18 GB for all of the 1B backbone at once, on every rank).
+DENSE_LOAD_BATCH_BYTES = 512 << 20
 
 
 def _param_shardings(model) -> dict[int, ShardedTensor | ShardedTensorFactory]:
@@ -41,15 +45,37 @@ def _dense_states(param) -> dict[str, torch.Tensor]:
             "exp_avg_sq": safe_get_full_optimizer_state(param, "exp_avg_sq")}
 
 
-def _optimizer_sharded_state(model, tables: TableOptimizer, states_of) -> dict:
-    """{`<state>.<param key>`: sharded tensor} for every parameter; `states_of(name, p)`
-    returns the parameter's three state tensors."""
+def _row_shard(sh: ShardedTensor, tensor: torch.Tensor, prefix: str,
+               shard: tuple[int, int, int, int]) -> ShardedTensor:
+    """The optimizer state of a table's row shard (`tables.partition: sharded`): rows
+    [first, first + rows) of the table's TP slice `sh`, held by this rank alone."""
+    first, rows, count, _ = shard
+    return replace(sh, key=f"{prefix}.{sh.key}", data=tensor, dtype=tensor.dtype,
+                   local_shape=(rows, *sh.local_shape[1:]),
+                   global_offset=(sh.global_offset[0] + first, *sh.global_offset[1:]),
+                   axis_fragmentations=(count, *sh.axis_fragmentations[1:]),
+                   replica_id=(0,) * len(sh.replica_id) if isinstance(sh.replica_id, tuple)
+                   else 0)
+
+
+def _optimizer_sharded_state(model, tables: TableOptimizer, states_of,
+                             names: set[str] | None = None) -> dict:
+    """{`<state>.<param key>`: sharded tensor} for every parameter (of `names`, default
+    all); `states_of(name, p)` returns the parameter's three state tensors. The same global
+    tensors whatever the layout (TP, DP, table partition), so any layout loads what any
+    other saved."""
     shardings = _param_shardings(model)
+    table_names, shard = set(tables.state_tensors()), tables.shard()
     out = {}
     for name, param in model.named_parameters():
+        if names is not None and name not in names:
+            continue
         sh = shardings[id(param)]
         for key, tensor in states_of(name, param).items():
-            out[f"{key}.{sh.key}"] = make_sharded_optimizer_tensor(sh, tensor, f"optimizer.{key}")
+            prefix = f"optimizer.{key}"
+            out[f"{key}.{sh.key}"] = _row_shard(sh, tensor, prefix, shard) \
+                if name in table_names and shard is not None \
+                else make_sharded_optimizer_tensor(sh, tensor, prefix)
     return out
 
 
@@ -100,29 +126,43 @@ def _create_dense_states(zero_optimizer, step: int) -> None:
 
 def load_optimizers(model, zero_optimizer, tables: TableOptimizer, ckpt: Path,
                     step: int) -> None:
+    """Restore the dense and table optimizer states of `ckpt` with bounded memory: the
+    tables' (most of it) straight into the live tensors, each rank its own part; the dense
+    parameters' full states, which ZeRO then slices, a batch of parameters at a time."""
     table_states = tables.state_tensors()
     _create_dense_states(zero_optimizer, step)
     _link_optimizer_states(zero_optimizer)
-
-    def placeholders(name, param):
-        if name in table_states:
-            return {k: torch.empty_like(v) for k, v in table_states[name].items()}
-        return {k: torch.empty(param.shape, dtype=torch.float32) for k in STATE_KEYS}
-
-    loaded = dist_checkpointing.load(
-        _optimizer_sharded_state(model, tables, placeholders), str(ckpt / OPTIM))
+    if table_states:
+        dist_checkpointing.load(_optimizer_sharded_state(
+            model, tables, lambda name, _: table_states[name], set(table_states)),
+            str(ckpt / OPTIM))
+    dense = [(n, p) for n, p in model.named_parameters() if n not in table_states]
     shardings = _param_shardings(model)
-    restored_tables = {}
-    for name, param in model.named_parameters():
-        key = shardings[id(param)].key
-        states = {k: loaded[f"{k}.{key}"] for k in STATE_KEYS}
-        if name in table_states:
-            restored_tables[name] = states
-            continue
-        safe_set_full_fp32_param(param, states["fp32_param"].to(param.device))
-        for k in ("exp_avg", "exp_avg_sq"):
-            safe_set_full_optimizer_state(param, states[k].to(param.device), k)
-    tables.load_state_tensors(restored_tables, step)
+    for batch in _batches(dense, DENSE_LOAD_BATCH_BYTES):
+        loaded = dist_checkpointing.load(_optimizer_sharded_state(
+            model, tables, lambda _, p: {k: torch.empty(p.shape) for k in STATE_KEYS},
+            {n for n, _ in batch}), str(ckpt / OPTIM))
+        for _, param in batch:
+            key = shardings[id(param)].key
+            safe_set_full_fp32_param(param, loaded[f"fp32_param.{key}"].to(param.device))
+            for k in ("exp_avg", "exp_avg_sq"):
+                safe_set_full_optimizer_state(param, loaded[f"{k}.{key}"].to(param.device), k)
+    tables.load_state_tensors(table_states, step)
+
+
+def _batches(named: list, budget: int):
+    """`named` (name, param) pairs in runs whose full fp32 states (3 x 4 bytes per
+    element) fit `budget` bytes (a larger parameter makes a run of its own)."""
+    batch, size = [], 0
+    for name, p in named:
+        need = 12 * p.numel()
+        if batch and size + need > budget:
+            yield batch
+            batch, size = [], 0
+        batch.append((name, p))
+        size += need
+    if batch:
+        yield batch
 
 
 def save_train_state(folder: Path, step: int, extra: dict) -> None:

@@ -20,6 +20,13 @@ sharers: a reduce-scatter, in collectives gloo has too; then an all-reduce of th
 rows among the owners of the same rows on other copies); the owner updates the shared
 copy, so nothing is broadcast and no CPU work or memory is duplicated per GPU.
 
+Partition (`TableOptimConfig.partition`): with `sharded` (the default) each data-parallel
+rank owns a contiguous 1/n of the rows of every table: their fp32 master, Adam moments and
+update live on that rank only, gradients travel to the owners and updated rows back to
+every holder (training/table_shards.py). `replicated` is the path described above: every
+rank (device placement) or every node's copy (host placement) keeps and updates the whole
+table's state; it is the reference the sharded path is tested against.
+
 Update semantics (`TableOptimConfig.update`):
 * `dense`: AdamW on every row every step, untouched rows with a zero gradient (the
   paper's reference code): momentum and weight decay keep moving unseen rows.
@@ -38,6 +45,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_stem import parallel
+from megatron_stem.training.table_overlap import Overlap
+from megatron_stem.training.table_shards import RowShards, TrafficCounters
 
 _kernel_ids = itertools.count(10_000)  # DeepSpeed keys CPU Adam instances by integer id
 DENSE_CHUNK_BYTES = 64 << 20  # `dense` updates this many bytes of fp32 rows at a time
@@ -78,16 +87,13 @@ class TableState:
     master: torch.Tensor  # fp32, CPU; the param itself when that is fp32 on CPU already
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
+    # Whether the model's table is a copy of the master that updates must reach (a GPU or
+    # bf16 table); an fp32 CPU table is the master itself (or holds it, sliced).
+    separate: bool
+    offset: int = 0  # the table row of master row 0 (a shard's first row)
     rows: torch.Tensor | None = None  # after sync_grads: touched rows (sorted, CPU)
     grad: torch.Tensor | None = None  # after sync_grads: their DP-averaged grads (CPU)
     dense_grad: torch.Tensor | None = None  # `dense` mode's reusable zero chunk
-
-    @property
-    def separate(self) -> bool:
-        """Whether the model's table is a copy of the master that updates must reach (a
-        GPU or bf16 table); an fp32 CPU table is the master itself. (`param.data` is a new
-        tensor object at every access, so this compares memory, not objects.)"""
-        return self.master.data_ptr() != self.param.data_ptr()
 
 
 def _is_own_master(param: torch.nn.Parameter) -> bool:
@@ -95,41 +101,77 @@ def _is_own_master(param: torch.nn.Parameter) -> bool:
     return param.device.type == "cpu" and param.dtype == torch.float32
 
 
-def cpu_state_bytes(tables: list[tuple[str, torch.nn.Parameter]]) -> int:
-    """CPU memory a device-placement TableOptimizer allocates for `tables`: two fp32 Adam
-    moments, and an fp32 master unless the table is its own."""
-    return sum(p.numel() * 4 * (2 if _is_own_master(p) else 3) for _, p in tables)
+def cpu_state_bytes(tables: list[tuple[str, torch.nn.Parameter]], shards: int = 1) -> int:
+    """CPU memory a device-placement TableOptimizer allocates for `tables` on each rank:
+    two fp32 Adam moments, and an fp32 master unless the table is its own, of 1/`shards`
+    of the rows (`partition: sharded` over that many data-parallel ranks)."""
+    return sum(p.numel() * 4 * (2 if _is_own_master(p) else 3) for _, p in tables) // shards
 
 
 class TableOptimizer:
-    """`host`: the HostTableStore of host-resident tables (None: device-resident)."""
+    """`host`: the HostTableStore of host-resident tables (None: device-resident).
+    `partition`: "sharded" or "replicated" (module docstring)."""
 
     def __init__(self, tables: list[tuple[str, torch.nn.Parameter]], update: str,
                  lr_mult: float, weight_decay: float, betas: tuple[float, float],
                  eps: float = 1e-8, kernel: str = "deepspeed", dp_group=None, tp_group=None,
-                 host=None):
+                 host=None, partition: str = "sharded", overlap: str = "none"):
         if update not in ("dense", "lazy"):
             raise ValueError(f"unknown table update {update!r}")
+        if partition not in ("sharded", "replicated"):
+            raise ValueError(f"unknown table partition {partition!r}")
         self.update_mode, self.lr_mult, self.weight_decay = update, lr_mult, weight_decay
         self.dp_group, self.tp_group = dp_group, tp_group
         self.host = host
         self.copy = host.copy if host is not None else None
+        self.shards = RowShards(tables[0][1].shape[0], dp_group) \
+            if partition == "sharded" and tables else None
+        if overlap not in ("none", "next_step"):
+            raise ValueError(f"unknown table overlap {overlap!r}")
+        if overlap == "next_step" and (self.shards is None or host is not None):
+            raise ValueError("table overlap next_step needs sharded, device-placed tables")
+        # `next_step`: the update runs while the next step computes (training/table_overlap.py)
+        self.overlap = Overlap(dp_group) if overlap == "next_step" and tables else None
         self.kernel = AdamKernel(kernel, betas, eps)
         self.step_count = 0
         self.tables = [self._state(name, p) for name, p in tables]
-        self.last_comm_bytes = 0  # bytes sent over DP by the last sync_grads
+        self.counters = TrafficCounters()  # what the last step moved (see `stats`)
         self.touched_rows = 0  # distinct rows in the last sync_grads (all DP ranks)
         self._step_rows = None  # host: the rows the step updates on the copy (all owners)
 
+    def stats(self) -> dict[str, float]:
+        """This rank's figures for the last step's table path (logged as `tables/*`):
+        what it moved (`TrafficCounters`), the distinct rows over data parallel, and the
+        CPU memory of the optimizer state it holds (its share of a shared copy's)."""
+        self.finish()
+        state = sum((t.master.numel() * 4 if t.separate else 0) +
+                    (t.exp_avg.numel() + t.exp_avg_sq.numel()) * 4 for t in self.tables)
+        if self.shards is None and self.copy is not None:
+            state //= self.copy.size
+        return {**self.counters.as_dict(), "unique_rows": self.touched_rows,
+                "cpu_state_bytes": state}
+
     def _state(self, name: str, param: torch.nn.Parameter) -> TableState:
-        master = param.data if _is_own_master(param) \
-            else param.detach().to("cpu", torch.float32).clone()
+        own = _is_own_master(param)
+        if self.shards is not None:  # this rank's rows only; moments private to it
+            lo, hi = self.shards.lo, self.shards.hi
+            master = param.data[lo:hi] if own \
+                else param.detach()[lo:hi].to("cpu", torch.float32).clone()
+            return TableState(name, param, master, torch.zeros_like(master),
+                              torch.zeros_like(master), separate=not own, offset=lo)
+        master = param.data if own else param.detach().to("cpu", torch.float32).clone()
         if self.copy is not None:  # moments shared by the copy's ranks, like the table
             return TableState(name, param, master,
                               *(self.copy.tensor(f"{name}.{k}", tuple(master.shape))
-                                for k in ("exp_avg", "exp_avg_sq")))
+                                for k in ("exp_avg", "exp_avg_sq")), separate=not own)
         return TableState(name, param, master, torch.zeros_like(master),
-                          torch.zeros_like(master))
+                          torch.zeros_like(master), separate=not own)
+
+    def shard(self) -> tuple[int, int, int, int] | None:
+        """(first row, rows, shards, this shard's index) of the rows whose optimizer state
+        this rank holds (`sharded`), None when it holds whole tables (`replicated`)."""
+        s = self.shards
+        return None if s is None else (s.lo, s.rows, s.size, s.rank)
 
     # -- the host store's hand-offs -------------------------------------------------------
 
@@ -142,25 +184,75 @@ class TableOptimizer:
     def host_stats(self) -> dict[str, float]:
         return self.host.take_stats() if self.host is not None else {}
 
+    def finish(self) -> None:
+        """Wait for an overlapped update (`overlap: next_step`) to be complete: before the
+        tables are read whole (evaluation, a save) or the next gradients are taken."""
+        if self.overlap is not None:
+            self.overlap.finish()
+
     def close(self) -> None:
+        if self.overlap is not None:
+            self.overlap.close()
         if self.host is not None:
             self.host.close()
 
     # -- gradients ----------------------------------------------------------------------
 
     def sync_grads(self) -> None:
-        """Coalesce each table's sparse grad and average it over data parallel."""
-        self.last_comm_bytes = 0
-        if self.host is not None:
+        """Coalesce each table's row gradients and average them over data parallel: on
+        the rows' owners (`sharded`), or on every rank / each copy's owners (`replicated`)."""
+        self.finish()
+        self.counters.reset()
+        if self.shards is not None:
+            self._sync_to_owners()
+        elif self.host is not None:
             self._sync_host_grads()
-            return
+        else:
+            self._sync_replicated()
+
+    def _sync_replicated(self) -> None:
         for t in self.tables:
             rows, values = _coalesced_rows(t.param)
-            rows, values = self._average_over_dp(rows, values)
-            t.rows, t.grad = rows.cpu(), values.to("cpu", torch.float32)
+            rows, values = self._average_over_dp(rows, values.float())
+            t.rows, t.grad = rows.cpu(), self._to_cpu(values)
             t.param.grad = None
         # Every table sees the same ids: the first one's rows are the step's rows.
         self.touched_rows = self.tables[0].rows.numel() if self.tables else 0
+
+    def _local_row_grads(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """This rank's touched rows (sorted) and, per table, their summed gradients over
+        the step's micro-batches (in the training dtype, on the device)."""
+        if self.host is not None:
+            rows, grads = self.host.take_row_grads()
+            by_param = {id(m.weight): g for m, g in zip(self.host.modules, grads)}
+            grads = [by_param[id(t.param)] for t in self.tables]
+            return rows.to(grads[0].device), grads
+        coalesced = [_coalesced_rows(t.param) for t in self.tables]
+        for t in self.tables:
+            t.param.grad = None
+        rows = coalesced[0][0]
+        if any(not torch.equal(rows, r) for r, _ in coalesced[1:]):
+            raise RuntimeError("STEM tables were looked up with different token ids in one "
+                               "step; the sharded table path sends one row set for all")
+        return rows, [v for _, v in coalesced]
+
+    def _sync_to_owners(self) -> None:
+        rows, grads = self._local_row_grads()
+        width = grads[0].shape[1] if grads else 0
+        owned, summed = self.shards.to_owners(rows, torch.cat(grads, 1), self.counters)
+        summed = self._to_cpu(summed / self.shards.size)
+        owned = owned.cpu()
+        for t, g in zip(self.tables, summed.split(width, 1)):
+            t.rows, t.grad = owned, g.contiguous()
+        count = torch.tensor([owned.numel()], device=parallel.device())
+        if self.shards.size > 1:
+            dist.all_reduce(count, group=self.dp_group)
+        self.touched_rows = int(count)
+
+    def _to_cpu(self, grads: torch.Tensor) -> torch.Tensor:
+        if grads.device.type != "cpu":
+            self.counters.d2h_bytes += grads.numel() * grads.element_size()
+        return grads.cpu()
 
     def _dp_world(self) -> int:
         return dist.get_world_size(self.dp_group) if dist.is_initialized() else 1
@@ -178,7 +270,7 @@ class TableOptimizer:
         padded[:rows.numel()] = rows
         gathered = [torch.empty_like(padded) for _ in range(world)]
         dist.all_gather(gathered, padded, group=self.dp_group)
-        self.last_comm_bytes += world * padded.numel() * 8
+        self.counters.index_bytes += world * padded.numel() * 8
         union = torch.unique(torch.cat(gathered))
         return union[union >= 0]
 
@@ -191,7 +283,7 @@ class TableOptimizer:
                              device=values.device)
         summed[torch.searchsorted(union, rows)] = values
         dist.all_reduce(summed, group=self.dp_group)
-        self.last_comm_bytes += summed.numel() * summed.element_size()
+        self.counters.grad_bytes += summed.numel() * summed.element_size()
         return union, summed / world
 
     def _sync_host_grads(self) -> None:
@@ -221,12 +313,12 @@ class TableOptimizer:
                     if chunk.numel():
                         dist.reduce(chunk, dst=dist.get_global_rank(self.copy.group, j),
                                     group=self.copy.group)
-                        self.last_comm_bytes += chunk.numel() * chunk.element_size()
+                        self.counters.grad_bytes += chunk.numel() * chunk.element_size()
             chunk = chunks[me]
             if self.copy.cross_group is not None:
                 dist.all_reduce(chunk, group=self.copy.cross_group)
-                self.last_comm_bytes += chunk.numel() * chunk.element_size()
-            t.rows, t.grad = owned.cpu(), (chunk / world).to("cpu", torch.float32)
+                self.counters.grad_bytes += chunk.numel() * chunk.element_size()
+            t.rows, t.grad = owned.cpu(), self._to_cpu((chunk / world).float())
         self._step_rows = union.cpu()
         self.touched_rows = union.numel()
 
@@ -237,7 +329,10 @@ class TableOptimizer:
         return rows * self.copy.size // self._vocab()
 
     def _owned_range(self) -> tuple[int, int]:
-        """`dense`: this rank's contiguous rows [lo, hi) (all rows when not sharing)."""
+        """`dense`: this rank's contiguous rows [lo, hi): its shard (`sharded`), its part
+        of a shared host copy, or all rows."""
+        if self.shards is not None:
+            return self.shards.lo, self.shards.hi
         vocab = self._vocab()
         if self.copy is None:
             return 0, vocab
@@ -245,15 +340,18 @@ class TableOptimizer:
         return -(-me * vocab // size), -(-(me + 1) * vocab // size)
 
     def _vocab(self) -> int:
-        return self.tables[0].master.shape[0]
+        return self.tables[0].param.shape[0]
 
     def grad_norm_sq(self) -> float:
         """Squared L2 norm of all table grads (after `sync_grads`), summed over TP slices
-        (and over the owners of a shared host copy, each holding its rows' grads)."""
+        and over the ranks that hold disjoint rows' grads: the shards' owners, or the
+        owners of a shared host copy."""
         local = torch.tensor(sum(float(t.grad.double().square().sum()) for t in self.tables),
                              dtype=torch.float64)
         groups = [self.tp_group]
-        if self.copy is not None:
+        if self.shards is not None and self.shards.size > 1:
+            groups.append(self._dp())
+        elif self.shards is None and self.copy is not None:
             groups.append(self.copy.group)
         groups = [g for g in groups if g is not None]
         if dist.is_initialized() and groups:
@@ -264,21 +362,40 @@ class TableOptimizer:
 
     # -- update -------------------------------------------------------------------------
 
-    def step(self, lr: float, clip_coef: float = 1.0) -> None:
+    def step(self, lr: float, clip_coef: float = 1.0,
+             next_ids: list[torch.Tensor] | None = None) -> None:
+        """Update every table with the gradients of `sync_grads`, scaled by `clip_coef`.
+        `next_ids`: the token ids of this rank's next step; with `overlap: next_step` the
+        update then finishes in the background while that step runs."""
+        self.finish()
         if self.host is not None:
             self.host.wait_idle()  # nothing may read a table while it is written
         self.step_count += 1
         lr = lr * self.lr_mult
+        if self.overlap is not None and next_ids is not None:
+            self._launch_overlapped(lr, clip_coef, next_ids)
+            return
+        changed = self._changed_rows()
         for t in self.tables:
             grad = t.grad * clip_coef if clip_coef != 1.0 else t.grad
             if self.update_mode == "dense":
                 self._dense_update(t, grad, lr)
+                self._publish_shard(t)
             else:
-                self._lazy_update(t, grad, lr)
+                self._publish_rows(t, self._lazy_update(t, grad, lr))
             t.rows = t.grad = None
         if self.host is not None:
             self.copy.barrier()  # every owner has written its rows of the shared copy
-            self.host.rows_changed(self._step_rows if self.update_mode == "lazy" else None)
+            self.host.rows_changed(changed)
+
+    def _changed_rows(self) -> torch.Tensor | None:
+        """Host tables: the rows this step changes in the copy, which the row cache must
+        refresh (None: every row, `dense`)."""
+        if self.host is None or self.update_mode == "dense":
+            return None
+        if self.shards is None:
+            return self._step_rows
+        return self.shards.all_rows(self.tables[0].rows, self.counters)
 
     def _dense_update(self, t: TableState, grad: torch.Tensor, lr: float) -> None:
         """AdamW over the owned rows, a chunk of rows at a time: the zero gradient of the
@@ -293,47 +410,115 @@ class TableOptimizer:
             zeros = t.dense_grad[:end - start]  # leading rows: contiguous, as the kernel needs
             local = t.rows[a:b] - start
             zeros.index_copy_(0, local, grad[a:b])
-            self.kernel.update(self.step_count, lr, self.weight_decay, t.master[start:end],
-                               zeros, t.exp_avg[start:end], t.exp_avg_sq[start:end])
+            m = slice(start - t.offset, end - t.offset)
+            self.kernel.update(self.step_count, lr, self.weight_decay, t.master[m],
+                               zeros, t.exp_avg[m], t.exp_avg_sq[m])
             zeros.index_fill_(0, local, 0)  # back to all zeros for the next chunk
-        if t.separate:
-            t.param.data.copy_(t.master, non_blocking=True)
+        self.counters.adam_elements += (hi - lo) * t.master.shape[1]
 
-    def _lazy_update(self, t: TableState, grad: torch.Tensor, lr: float) -> None:
-        rows = t.rows
-        if rows.numel() == 0:
-            return
-        # Gather the touched rows into contiguous buffers (the kernel needs contiguous
-        # memory), update them, scatter back.
+    def _lazy_update(self, t: TableState, grad: torch.Tensor, lr: float) -> torch.Tensor:
+        """Adam on the touched rows; returns their new fp32 values."""
+        return self._update_rows(t, t.rows, grad, lr)
+
+    def _update_rows(self, t: TableState, rows: torch.Tensor, grad: torch.Tensor,
+                     lr: float) -> torch.Tensor:
+        """Adam on table rows `rows` (sorted, owned) with gradients `grad`; returns their
+        new fp32 values. (Per element the arithmetic of the chunked dense update.)"""
+        rows = rows - t.offset
+        # Gather the rows into contiguous buffers (the kernel needs contiguous memory),
+        # update them, scatter back.
         param, m, v = (x.index_select(0, rows) for x in (t.master, t.exp_avg, t.exp_avg_sq))
-        self.kernel.update(self.step_count, lr, self.weight_decay, param,
-                           grad.contiguous(), m, v)
+        if rows.numel():
+            self.kernel.update(self.step_count, lr, self.weight_decay, param,
+                               grad.contiguous(), m, v)
         for dst, src in ((t.master, param), (t.exp_avg, m), (t.exp_avg_sq, v)):
             dst.index_copy_(0, rows, src)
-        if t.separate:
-            t.param.data.index_copy_(0, rows.to(t.param.device),
-                                     param.to(t.param.device, t.param.dtype))
+        self.counters.adam_elements += param.numel()
+        return param
+
+    def _launch_overlapped(self, lr: float, clip_coef: float,
+                           next_ids: list[torch.Tensor]) -> None:
+        """Split each table's update into the rows the next step reads (first, table by
+        table) and the rest, and run both in the background (training/table_overlap.py)."""
+        ids = torch.unique(torch.cat([i.flatten() for i in next_ids]))
+        needed = self.shards.needed_by_any(ids.to(parallel.device()), self.counters).cpu()
+        owned = torch.arange(self.shards.lo, self.shards.hi)
+        first, rest = [], []
+        for t in self.tables:
+            grad = t.grad * clip_coef if clip_coef != 1.0 else t.grad
+            rows = owned if self.update_mode == "dense" else t.rows  # the rows that change
+            now = torch.isin(rows, needed)
+            first.append((t.param, self._row_job(t, rows[now], t.rows, grad, lr)))
+            rest.append(self._row_job(t, rows[~now], t.rows, grad, lr))
+            t.rows = t.grad = None
+        self.overlap.launch(first, rest)
+
+    def _row_job(self, t: TableState, rows: torch.Tensor, touched: torch.Tensor,
+                 grad: torch.Tensor, lr: float):
+        """The update of table rows `rows` and their publication, as a job for `Overlap`:
+        gradients of the `touched` rows from `grad`, zero for the others."""
+        at = torch.searchsorted(touched, rows).clamp(max=max(touched.numel() - 1, 0))
+        hit = touched[at] == rows if touched.numel() else torch.zeros_like(rows, dtype=bool)
+        grads = torch.zeros(rows.numel(), t.master.shape[1])
+        grads[hit] = grad[at[hit]]
+
+        def job(group):
+            values = self._update_rows(t, rows, grads, lr)
+            self.shards.gather_rows(t.param.data, rows, values, group, self.counters)
+        return job
+
+    def _publish_shard(self, t: TableState) -> None:
+        """`dense`: the updated rows to every holder of the table (module docstring)."""
+        if self.shards is None:  # replicated: this rank's master has every row
+            if t.separate:
+                t.param.data.copy_(t.master, non_blocking=True)
+            return
+        self.shards.gather_shards(t.param.data, t.master, self._holders(), self.counters)
+
+    def _publish_rows(self, t: TableState, values: torch.Tensor) -> None:
+        """`lazy`: like `_publish_shard` for the updated rows only."""
+        if self.shards is None:
+            if t.separate:
+                t.param.data.index_copy_(0, t.rows.to(t.param.device),
+                                         values.to(t.param.device, t.param.dtype))
+            return
+        self.shards.gather_rows(t.param.data, t.rows, values, self._holders(), self.counters)
+
+    def _holders(self):
+        """The group whose ranks' tables need this rank's updated rows (`sharded`): every
+        data-parallel rank's device table, or the other nodes' host copies (this rank's
+        own copy has them already: the master is a slice of it)."""
+        return self._dp() if self.copy is None else self.copy.cross_group
+
+    def _dp(self):
+        """The data-parallel group (None stands for the whole world in torch.distributed,
+        but for "no group" in the copy's groups: spelled out here)."""
+        return self.dp_group or (dist.group.WORLD if dist.is_initialized() else None)
 
     # -- checkpoint ---------------------------------------------------------------------
 
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """{table name: {"fp32_param", "exp_avg", "exp_avg_sq"}}, this rank's slices."""
+        """{table name: {"fp32_param", "exp_avg", "exp_avg_sq"}}, this rank's slices (its
+        shard's rows under `sharded`, see `shard()`)."""
+        self.finish()
         return {t.name: {"fp32_param": t.master, "exp_avg": t.exp_avg,
                          "exp_avg_sq": t.exp_avg_sq} for t in self.tables}
 
     def load_state_tensors(self, states: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+        """Take the optimizer state of a checkpoint (`states` shaped like
+        `state_tensors()`; loading into those tensors themselves copies nothing) and bring
+        every holder's table in line with the masters."""
         self.step_count = step
         if self.host is not None:
             self.host.invalidate()
-        writer = self.copy is None or self.copy.index == 0  # one writer per shared copy
+        # One writer per shared copy (replicated); every owner its own rows (sharded).
+        writer = self.shards is not None or self.copy is None or self.copy.index == 0
         for t in self.tables:
-            s = states[t.name]
             if writer:
-                t.master.copy_(s["fp32_param"])
-                t.exp_avg.copy_(s["exp_avg"])
-                t.exp_avg_sq.copy_(s["exp_avg_sq"])
-            if t.separate:
-                t.param.data.copy_(t.master)
+                for key, live in self.state_tensors()[t.name].items():
+                    if states[t.name][key].data_ptr() != live.data_ptr():
+                        live.copy_(states[t.name][key])
+            self._publish_shard(t)
         if self.copy is not None:
             self.copy.barrier()
 
@@ -343,9 +528,9 @@ def _coalesced_rows(param: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tens
     width = param.shape[1]
     if grad is None:
         return (torch.empty(0, dtype=torch.long, device=param.device),
-                torch.empty(0, width, dtype=torch.float32, device=param.device))
+                torch.empty(0, width, dtype=param.dtype, device=param.device))
     if not grad.is_sparse:
         raise RuntimeError(f"table grad is dense: set StemTable.sparse_grad = True "
                            f"({tuple(param.shape)})")
     grad = grad.coalesce()
-    return grad.indices()[0], grad.values().float()
+    return grad.indices()[0], grad.values()

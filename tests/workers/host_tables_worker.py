@@ -4,7 +4,8 @@
 
 Each rank trains two tables on its own ids for a few steps (two micro-batches per step,
 clipping, a cache) with: device-resident tables (sparse grads, all-reduce), one host copy
-shared by both ranks (row owners), and one host copy per rank (the cross-copy path).
+shared by both ranks (row owners), and one host copy per rank (the cross-copy path), each
+with the optimizer state replicated (per rank / per copy) and sharded over the two ranks.
 """
 
 import glob
@@ -22,10 +23,27 @@ from megatron_stem.parallel import destroy_distributed, init_distributed
 from megatron_stem.training.host_tables import HostTableStore
 from megatron_stem.training.table_optim import TableOptimizer
 
-VOCAB, WIDTH, STEPS = 97, 8, 4
+VOCAB, WIDTH, STEPS = 98, 8, 4
+CASES = {"device_sharded": ("device", "sharded", 0),
+         "shared": ("host", "replicated", 0), "per_rank": ("host", "replicated", 1),
+         "shared_sharded": ("host", "sharded", 0), "per_rank_sharded": ("host", "sharded", 1)}
 
 
-def train(update: str, placement: str, ranks_per_copy: int = 0):
+def full_states(opt: TableOptimizer, params) -> dict[str, torch.Tensor]:
+    """Every table and its whole optimizer state, [tables, V, w] each (a sharded
+    optimizer's shards gathered from the two ranks)."""
+    states = {k: torch.stack([s[k] for s in opt.state_tensors().values()])
+              for k in ("fp32_param", "exp_avg", "exp_avg_sq")}
+    if opt.shard() is not None:
+        for k, shard in states.items():
+            full = torch.empty(shard.shape[0], VOCAB, WIDTH)
+            dist.all_gather(list(full.chunk(dist.get_world_size(), dim=1)), shard)
+            states[k] = full
+    states["table"] = torch.stack([p.detach() for p in params])
+    return states
+
+
+def train(update: str, placement: str, partition: str = "replicated", ranks_per_copy: int = 0):
     init = torch.randn(2, VOCAB, WIDTH, generator=torch.Generator().manual_seed(7))
     store, copy, owners_ok = None, None, True
     if placement == "host":
@@ -40,11 +58,11 @@ def train(update: str, placement: str, ranks_per_copy: int = 0):
     else:
         params = [torch.nn.Parameter(init[i].clone()) for i in range(2)]
     opt = TableOptimizer([(f"t{i}", p) for i, p in enumerate(params)], update, 1.0, 0.1,
-                         (0.9, 0.95), kernel="torch", host=store)
+                         (0.9, 0.95), kernel="torch", host=store, partition=partition)
     g = torch.Generator().manual_seed(100 + dist.get_rank())  # each rank its own ids
     norms = []
     for _ in range(STEPS):
-        mbs = [{"tokens": torch.randint(0, VOCAB - 30, (2, 6), generator=g)}  # rows 67+ unseen
+        mbs = [{"tokens": torch.randint(0, VOCAB - 30, (2, 6), generator=g)}  # rows 68+ unseen
                for _ in range(2)]
         opt.stage(mbs)
         for mb in mbs:
@@ -56,16 +74,16 @@ def train(update: str, placement: str, ranks_per_copy: int = 0):
                     out = F.embedding(mb["tokens"], p, sparse=True)
                 (out.sin() * (i + 1)).sum().backward()
         opt.sync_grads()
-        if copy is not None and copy.size > 1:  # each rank holds only the rows it owns
-            lo, hi = opt._owned_range()
+        if opt.shard() is not None or copy is not None and copy.size > 1:
+            lo, hi = opt._owned_range()  # each rank holds only the rows it owns
             for t in opt.tables:
-                owns = (t.rows % copy.size == copy.index) if update == "lazy" else \
+                owns = (t.rows % copy.size == copy.index) \
+                    if update == "lazy" and opt.shard() is None else \
                     (t.rows >= lo) & (t.rows < hi)
                 owners_ok &= bool(owns.all())
         norms.append(opt.grad_norm_sq())
         opt.step(1e-2, clip_coef=0.7)
-    states = {k: torch.stack([s[k] for s in opt.state_tensors().values()])
-              for k in ("fp32_param", "exp_avg", "exp_avg_sq")}
+    states = full_states(opt, params)
     opt.close()
     return states, torch.tensor(norms, dtype=torch.float64), copy, owners_ok
 
@@ -76,10 +94,11 @@ def main():
     result = {"max_diff": {}, "owners_disjoint": True}
     for update in ("lazy", "dense"):
         reference, ref_norms, _, _ = train(update, "device")
-        for name, per_copy in (("shared", 0), ("per_rank", 1)):
-            states, norms, copy, owners_ok = train(update, "host", per_copy)
+        for name, (placement, partition, per_copy) in CASES.items():
+            states, norms, copy, owners_ok = train(update, placement, partition, per_copy)
             result["owners_disjoint"] &= owners_ok
-            result.setdefault("copy_sizes", {})[name] = copy.size
+            if copy is not None:
+                result.setdefault("copy_sizes", {})[name] = copy.size
             result["max_diff"][f"{update}/{name}"] = max(
                 float((states[k] - reference[k]).abs().max()) for k in states)
             # The norm is summed per owner, then over owners: another order of additions.

@@ -7,6 +7,7 @@
 import argparse
 import json
 import os
+import resource
 import signal
 
 from common import TINY
@@ -46,6 +47,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--preempt-at", type=int, default=0,
                     help="rank 0 sends itself SIGUSR1 after this step; -1: during start-up")
+    ap.add_argument("--rss", action="store_true",
+                    help="each rank writes its peak RSS after every step to OUT.rss<rank>")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     data = {"model": {**TINY, "stem_layers": "1/2"},
@@ -57,13 +60,20 @@ def main():
                       "eval_iters": 2, "save_interval": 100}}
     recipe = from_dict(Recipe, apply_overrides(data, args.overrides))
 
+    peaks = []  # this process's peak RSS (bytes) after each step
+
     def on_step(step):
+        peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         if step == args.preempt_at and int(os.environ["RANK"]) == 0:
             os.kill(os.getpid(), signal.SIGUSR1)
 
     tokenizer = (StopDuringStartup if args.preempt_at < 0 else VocabOnlyTokenizer)(
         recipe.model.vocab_size)
     result = run(recipe, tokenizer, on_step)
+    if args.rss:  # the last entry: after the run's final save
+        peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        with open(f"{args.out}.rss{os.environ['RANK']}", "w") as f:
+            json.dump(peaks, f)
     if int(os.environ["RANK"]) == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -1,0 +1,202 @@
+"""Row shards of the STEM tables over data parallel: who owns, updates and sends which rows.
+
+With `tables.partition: sharded` data-parallel rank r owns rows [r*V/n, (r+1)*V/n) of
+every table (of its tensor-parallel slice): only the owner keeps their fp32 master and
+Adam moments and runs their update, so the CPU state and the CPU Adam work per rank are
+the whole table's / n, as ZeRO-Offload does for dense parameters. Each step:
+
+1. `to_owners`: every rank sends the rows it touched (its coalesced row gradients) to
+   their owners in one all-to-all, in the training dtype; the owner sums them in fp32.
+   Rows no rank touched send nothing (`dense` treats them as zero gradients).
+2. the owner updates its rows (training/table_optim.py);
+3. `gather` (device placement): every rank receives every owner's updated rows, cast to
+   the table's dtype, straight into its table (an all-gather; `dense`: whole shards,
+   `lazy`: the rows that changed). With host placement the owners write the node's shared
+   copy, and only the copies on other nodes need the rows (`gather` over the cross-copy
+   group): one copy per node stays the exact fp32 master.
+
+The collectives run on the data-parallel group (gloo on CPU, NCCL on GPUs); byte counts
+are kept per step in `TrafficCounters` (the trainer logs them, the step planner predicts
+them with `megatron_stem/planning`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+
+from megatron_stem.errors import ConfigError
+
+
+@dataclass
+class TrafficCounters:
+    """What the table path moved in the last step, per rank (bytes or elements)."""
+
+    grad_bytes: int = 0  # row gradients sent to other ranks (all-to-all or all-reduce)
+    gather_bytes: int = 0  # updated rows received from other ranks
+    index_bytes: int = 0  # row ids and counts exchanged
+    d2h_bytes: int = 0  # row gradients copied from the accelerator to the CPU
+    h2d_bytes: int = 0  # updated rows copied from the CPU to the accelerator
+    adam_elements: int = 0  # elements CPU Adam updated
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, 0)
+
+    @property
+    def comm_bytes(self) -> int:
+        return self.grad_bytes + self.gather_bytes + self.index_bytes
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)} | \
+            {"comm_bytes": self.comm_bytes}
+
+
+class RowShards:
+    """Contiguous, equal row ranges of a `vocab`-row table, one per rank of `group`."""
+
+    def __init__(self, vocab: int, group=None):
+        self.group = group
+        self.size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        if vocab % self.size:
+            raise ConfigError(
+                f"tables.partition: sharded splits the {vocab} table rows (the padded "
+                f"vocabulary) evenly over {self.size} data-parallel ranks, and {vocab} is "
+                "not divisible by it; use a data-parallel size that divides it, or "
+                "tables.partition=replicated")
+        self.vocab, self.rows = vocab, vocab // self.size
+        self.lo, self.hi = self.rank * self.rows, (self.rank + 1) * self.rows
+
+    # -- 1. row gradients to their owners -------------------------------------------------
+
+    def to_owners(self, rows: torch.Tensor, values: torch.Tensor,
+                  counters: TrafficCounters) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum every rank's row gradients on the rows' owners.
+
+        `rows`: this rank's sorted unique row ids; `values`: their gradients [rows, k]
+        (any dtype: sent as is). Returns the owned rows that any rank touched (sorted
+        global ids) and their summed gradients in fp32, both on `values`' device."""
+        if self.size == 1:
+            return rows, values.float()
+        incoming, send, recv = self._rows_to_owners(rows, counters)
+        grads = torch.empty(sum(recv), values.shape[1], dtype=values.dtype, device=values.device)
+        dist.all_to_all_single(grads, values.contiguous(), recv, send, group=self.group)
+        counters.grad_bytes += (rows.numel() - send[self.rank]) * values.shape[1] * \
+            values.element_size()
+        owned, where = torch.unique(incoming, return_inverse=True)
+        # Summed in arrival order (rank 0's rows first), in fp32 whatever the wire dtype.
+        summed = torch.zeros(owned.numel(), values.shape[1], dtype=torch.float32,
+                             device=values.device)
+        summed.index_add_(0, where, grads.float())
+        return owned, summed
+
+    def _rows_to_owners(self, rows: torch.Tensor, counters: TrafficCounters):
+        """Send each of `rows` (sorted) to its owner: (the rows this rank received, rows
+        sent to each rank, rows received from each rank)."""
+        sent = torch.bincount(rows // self.rows, minlength=self.size)
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent, group=self.group)
+        send, recv = sent.tolist(), received.tolist()
+        incoming = torch.empty(sum(recv), dtype=rows.dtype, device=rows.device)
+        dist.all_to_all_single(incoming, rows, recv, send, group=self.group)
+        counters.index_bytes += 2 * self.size * sent.element_size() + \
+            (rows.numel() - send[self.rank]) * rows.element_size()
+        return incoming, send, recv
+
+    def needed_by_any(self, rows: torch.Tensor, counters: TrafficCounters) -> torch.Tensor:
+        """The owned rows that any rank needs (`rows`: this rank's sorted unique ids),
+        sorted: an all-to-all of row ids, like `to_owners` without the gradients."""
+        if self.size == 1:
+            return rows
+        return torch.unique(self._rows_to_owners(rows, counters)[0])
+
+    # -- 3. updated rows to every holder --------------------------------------------------
+
+    def gather_shards(self, table: torch.Tensor, shard: torch.Tensor, group,
+                      counters: TrafficCounters) -> None:
+        """Every rank of `group` holds `table` [V, w]; each contributes its owned shard
+        (`shard`, [V/n, w], any device/dtype): afterwards every shard is in every table.
+
+        `group` is the data-parallel group (device placement) or a cross-copy group
+        (host placement: the ranks at this rank's index in every node's copy)."""
+        peers = _group_ranks(group, self.group)
+        shard = _to_table(shard, table, counters)
+        mine = table[self.lo:self.hi]
+        if len(peers) == 1:
+            if shard.data_ptr() != mine.data_ptr():
+                mine.copy_(shard)
+            return
+        outputs = [table[r * self.rows:(r + 1) * self.rows] for r in peers]
+        # The shard goes in as a separate tensor: the collective must not read the memory
+        # it writes (an fp32 CPU table is its own master: `shard` may be a view of it).
+        if shard.data_ptr() == mine.data_ptr():
+            shard = shard.clone()
+        dist.all_gather(outputs, shard, group=group)
+        counters.gather_bytes += (len(peers) - 1) * shard.numel() * shard.element_size()
+
+    def gather_rows(self, table: torch.Tensor, rows: torch.Tensor, values: torch.Tensor,
+                    group, counters: TrafficCounters) -> None:
+        """Like `gather_shards` for a subset of each owner's rows (`lazy`): `rows` (global
+        ids) with `values`."""
+        peers = _group_ranks(group, self.group)
+        device = table.device
+        values = _to_table(values, table, counters)
+        if len(peers) == 1:
+            table.index_copy_(0, rows.to(device), values)
+            return
+        count = torch.tensor([rows.numel()], device=device)
+        counts = [torch.empty_like(count) for _ in peers]
+        dist.all_gather(counts, count, group=group)
+        longest = max(int(c) for c in counts)
+        padded_ids = torch.zeros(longest, dtype=torch.long, device=device)
+        padded_ids[:rows.numel()] = rows
+        padded = torch.zeros(longest, table.shape[1], dtype=table.dtype, device=device)
+        padded[:rows.numel()] = values
+        all_ids = [torch.empty_like(padded_ids) for _ in peers]
+        all_values = [torch.empty_like(padded) for _ in peers]
+        dist.all_gather(all_ids, padded_ids, group=group)
+        dist.all_gather(all_values, padded, group=group)
+        counters.index_bytes += len(peers) * (count.element_size() + padded_ids.numel() * 8)
+        counters.gather_bytes += (len(peers) - 1) * padded.numel() * padded.element_size()
+        ids = torch.cat([i[:int(c)] for i, c in zip(all_ids, counts)])
+        table.index_copy_(0, ids, torch.cat([v[:int(c)] for v, c in zip(all_values, counts)]))
+
+    def all_rows(self, rows: torch.Tensor, counters: TrafficCounters) -> torch.Tensor:
+        """The union of every rank's (disjoint, sorted) owned `rows`, sorted."""
+        if self.size == 1:
+            return rows
+        count = torch.tensor([rows.numel()], device=rows.device)
+        counts = [torch.empty_like(count) for _ in range(self.size)]
+        dist.all_gather(counts, count, group=self.group)
+        longest = max(int(c) for c in counts)
+        padded = torch.zeros(longest, dtype=torch.long, device=rows.device)
+        padded[:rows.numel()] = rows
+        gathered = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(gathered, padded, group=self.group)
+        counters.index_bytes += self.size * (count.element_size() + padded.numel() * 8)
+        return torch.cat([g[:int(c)] for g, c in zip(gathered, counts)])
+
+
+def _group_ranks(group, shard_group) -> list[int]:
+    """The shard indices (ranks in the data-parallel group `shard_group`, None: the
+    world) of `group`'s ranks, in `group`'s rank order; [this rank's] when `group` is
+    None."""
+    if not dist.is_initialized():
+        return [0]
+    if group is None:
+        return [dist.get_rank(shard_group)]
+    ranks = dist.get_process_group_ranks(group)
+    return ranks if shard_group is None else [dist.get_group_rank(shard_group, g) for g in ranks]
+
+
+def _to_table(rows: torch.Tensor, table: torch.Tensor, counters: TrafficCounters):
+    """`rows` in `table`'s dtype (cast where they are: on the CPU before a copy to the
+    accelerator, which then moves half the bytes of fp32 for bf16) and on its device."""
+    rows = rows.to(table.dtype)
+    if rows.device != table.device:
+        counters.h2d_bytes += rows.numel() * rows.element_size()
+        rows = rows.to(table.device, non_blocking=True)
+    return rows
