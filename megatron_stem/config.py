@@ -295,6 +295,10 @@ class TableOptimConfig:
     # that step reads first (same results, docs/tables.md); needs partition: sharded and
     # placement: device. "none": the update runs after the last backward.
     overlap: Literal["none", "next_step"] = "none"
+    # Where the tables' fp32 master and Adam moments live and Adam runs: "cpu" (DeepSpeed's
+    # CPU Adam), or "accelerator" for tables whose sharded state fits beside the model
+    # (the 350M recipes): no copies of gradients or rows between CPU and accelerator.
+    optimizer_device: Literal["cpu", "accelerator"] = "cpu"
     # Where the tables live (training/host_tables.py). "device": on the accelerator, one
     # replica per rank. "host": in CPU memory, one copy per node shared by its ranks; each
     # micro-batch's rows are gathered and copied to the accelerator one micro-batch ahead.
@@ -319,6 +323,11 @@ class TableOptimConfig:
             raise ConfigError("overlap: next_step needs partition: sharded and placement: "
                               f"device (got partition: {self.partition}, placement: "
                               f"{self.placement})")
+        if self.optimizer_device == "accelerator" and (self.partition, self.placement) != \
+                ("sharded", "device"):
+            raise ConfigError("optimizer_device: accelerator needs partition: sharded and "
+                              f"placement: device (got partition: {self.partition}, "
+                              f"placement: {self.placement})")
         if self.placement == "device":
             for name in ("cache_rows", "ranks_per_copy"):
                 if getattr(self, name):

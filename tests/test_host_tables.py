@@ -38,6 +38,10 @@ def zipf_ids(generator, shape, vocab, offset=0):
     ({"placement": "host", "cache_rows": 301}, r"tables\.cache_rows: 301 rows exceed "
                                                r"model\.vocab_size=300"),
     ({"placement": "gpu"}, r"tables\.placement: expected one of \['device', 'host'\]"),
+    ({"placement": "host", "overlap": "next_step"},
+     r"tables\.overlap: next_step needs partition: sharded and placement: device"),
+    ({"partition": "replicated", "optimizer_device": "accelerator"},
+     r"tables\.optimizer_device: accelerator needs partition: sharded"),
 ])
 def test_config_errors_name_the_field(tables, message):
     with pytest.raises(ConfigError, match=message):

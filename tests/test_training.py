@@ -244,3 +244,11 @@ def test_resume_and_save_peak_memory_stay_within_15_percent(train, tmp_path, pla
         assert steady > 400e6  # the tables and their state really are what this measures
         assert fresh[-1] / steady <= 1.15, "saving"
         assert again[0] / steady <= 1.15, "resuming"
+
+
+def test_optimizer_state_on_the_accelerator_gives_the_same_curve(train, reference):
+    """`tables.optimizer_device: accelerator` (torch's Adam arithmetic where the model
+    is: here the CPU again) follows the CPU optimizer's curve at DP2."""
+    result = train(2, "tables.update=dense", "tables.optimizer_device=accelerator",
+                   name="accelerator_state")
+    assert_same_curve(result["losses"], reference["dense"]["losses"])

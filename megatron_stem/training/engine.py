@@ -189,9 +189,10 @@ def build_engine(model: torch.nn.Module, recipe: Recipe):
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     decay, no_decay, tables = split_parameters(model)
-    sharded = recipe.tables.partition == "sharded"
-    check_table_memory(tables, recipe.tables.placement,
-                       ps.get_data_parallel_world_size() if sharded else 1)
+    tab = recipe.tables
+    if tab.optimizer_device == "cpu":
+        check_table_memory(tables, tab.placement,
+                           ps.get_data_parallel_world_size() if tab.partition == "sharded" else 1)
     host_tables = []
     for module in model.modules():
         if isinstance(module, StemTable):
@@ -205,7 +206,7 @@ def build_engine(model: torch.nn.Module, recipe: Recipe):
             mpu=MegatronMpu())
     if not isinstance(optimizer, DeepSpeedZeroOptimizer):
         raise RuntimeError(f"expected DeepSpeed's ZeRO-1/2 optimizer, got {type(optimizer)}")
-    opt, tab = recipe.optimizer, recipe.tables
+    opt = recipe.optimizer
     host = None
     if host_tables:
         host = HostTableStore(
@@ -215,7 +216,8 @@ def build_engine(model: torch.nn.Module, recipe: Recipe):
         tables, update=tab.update, lr_mult=tab.lr_mult, weight_decay=tab.weight_decay,
         betas=(opt.beta1, opt.beta2), eps=opt.eps, kernel=tab.kernel,
         dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
-        host=host, partition=tab.partition, overlap=tab.overlap)
+        host=host, partition=tab.partition, overlap=tab.overlap,
+        state_device=str(device()) if tab.optimizer_device == "accelerator" else "cpu")
     norms = GradNorms()
     _include_tables_in_grad_norm(optimizer, table_optimizer, norms)
     return engine, table_optimizer, norms

@@ -96,9 +96,11 @@ class TableState:
     dense_grad: torch.Tensor | None = None  # `dense` mode's reusable zero chunk
 
 
-def _is_own_master(param: torch.nn.Parameter) -> bool:
-    """An fp32 CPU table is its own fp32 master; any other gets a separate one."""
-    return param.device.type == "cpu" and param.dtype == torch.float32
+def _is_own_master(param: torch.nn.Parameter, state_device: str = "cpu") -> bool:
+    """An fp32 table where the optimizer state lives is its own fp32 master; any other
+    gets a separate one."""
+    return param.device.type == torch.device(state_device).type and \
+        param.dtype == torch.float32
 
 
 def cpu_state_bytes(tables: list[tuple[str, torch.nn.Parameter]], shards: int = 1) -> int:
@@ -115,7 +117,8 @@ class TableOptimizer:
     def __init__(self, tables: list[tuple[str, torch.nn.Parameter]], update: str,
                  lr_mult: float, weight_decay: float, betas: tuple[float, float],
                  eps: float = 1e-8, kernel: str = "deepspeed", dp_group=None, tp_group=None,
-                 host=None, partition: str = "sharded", overlap: str = "none"):
+                 host=None, partition: str = "sharded", overlap: str = "none",
+                 state_device: str = "cpu"):
         if update not in ("dense", "lazy"):
             raise ValueError(f"unknown table update {update!r}")
         if partition not in ("sharded", "replicated"):
@@ -130,6 +133,14 @@ class TableOptimizer:
             raise ValueError(f"unknown table overlap {overlap!r}")
         if overlap == "next_step" and (self.shards is None or host is not None):
             raise ValueError("table overlap next_step needs sharded, device-placed tables")
+        if state_device != "cpu" and (self.shards is None or host is not None):
+            raise ValueError("table optimizer state off the CPU needs sharded, device-placed "
+                             "tables")
+        # Where the fp32 master and moments live and Adam runs: the CPU (DeepSpeed's kernel)
+        # or the accelerator (torch's arithmetic there), for tables whose state fits it.
+        self.state_device = torch.device(state_device)
+        if self.state_device.type != "cpu":
+            kernel = "torch"
         # `next_step`: the update runs while the next step computes (training/table_overlap.py)
         self.overlap = Overlap(dp_group) if overlap == "next_step" and tables else None
         self.kernel = AdamKernel(kernel, betas, eps)
@@ -148,15 +159,16 @@ class TableOptimizer:
                     (t.exp_avg.numel() + t.exp_avg_sq.numel()) * 4 for t in self.tables)
         if self.shards is None and self.copy is not None:
             state //= self.copy.size
+        where = "cpu" if self.state_device.type == "cpu" else "accelerator"
         return {**self.counters.as_dict(), "unique_rows": self.touched_rows,
-                "cpu_state_bytes": state}
+                f"{where}_state_bytes": state}
 
     def _state(self, name: str, param: torch.nn.Parameter) -> TableState:
-        own = _is_own_master(param)
+        own = _is_own_master(param, self.state_device)
         if self.shards is not None:  # this rank's rows only; moments private to it
             lo, hi = self.shards.lo, self.shards.hi
             master = param.data[lo:hi] if own \
-                else param.detach()[lo:hi].to("cpu", torch.float32).clone()
+                else param.detach()[lo:hi].to(self.state_device, torch.float32).clone()
             return TableState(name, param, master, torch.zeros_like(master),
                               torch.zeros_like(master), separate=not own, offset=lo)
         master = param.data if own else param.detach().to("cpu", torch.float32).clone()
@@ -214,7 +226,7 @@ class TableOptimizer:
         for t in self.tables:
             rows, values = _coalesced_rows(t.param)
             rows, values = self._average_over_dp(rows, values.float())
-            t.rows, t.grad = rows.cpu(), self._to_cpu(values)
+            t.rows, t.grad = rows.cpu(), self._to_state(values)
             t.param.grad = None
         # Every table sees the same ids: the first one's rows are the step's rows.
         self.touched_rows = self.tables[0].rows.numel() if self.tables else 0
@@ -240,8 +252,8 @@ class TableOptimizer:
         rows, grads = self._local_row_grads()
         width = grads[0].shape[1] if grads else 0
         owned, summed = self.shards.to_owners(rows, torch.cat(grads, 1), self.counters)
-        summed = self._to_cpu(summed / self.shards.size)
-        owned = owned.cpu()
+        summed = self._to_state(summed / self.shards.size)
+        owned = owned.to(self.state_device)
         for t, g in zip(self.tables, summed.split(width, 1)):
             t.rows, t.grad = owned, g.contiguous()
         count = torch.tensor([owned.numel()], device=parallel.device())
@@ -249,10 +261,11 @@ class TableOptimizer:
             dist.all_reduce(count, group=self.dp_group)
         self.touched_rows = int(count)
 
-    def _to_cpu(self, grads: torch.Tensor) -> torch.Tensor:
-        if grads.device.type != "cpu":
+    def _to_state(self, grads: torch.Tensor) -> torch.Tensor:
+        """Gradients where the optimizer state is (counted when they leave the device)."""
+        if grads.device != self.state_device:
             self.counters.d2h_bytes += grads.numel() * grads.element_size()
-        return grads.cpu()
+        return grads.to(self.state_device)
 
     def _dp_world(self) -> int:
         return dist.get_world_size(self.dp_group) if dist.is_initialized() else 1
@@ -318,7 +331,7 @@ class TableOptimizer:
             if self.copy.cross_group is not None:
                 dist.all_reduce(chunk, group=self.copy.cross_group)
                 self.counters.grad_bytes += chunk.numel() * chunk.element_size()
-            t.rows, t.grad = owned.cpu(), self._to_cpu((chunk / world).float())
+            t.rows, t.grad = owned.cpu(), self._to_state((chunk / world).float())
         self._step_rows = union.cpu()
         self.touched_rows = union.numel()
 
@@ -403,8 +416,10 @@ class TableOptimizer:
         lo, hi = self._owned_range()
         chunk = max(1, DENSE_CHUNK_BYTES // (4 * t.master.shape[1]))
         if t.dense_grad is None:
-            t.dense_grad = torch.zeros(min(chunk, hi - lo), t.master.shape[1])
-        bounds = torch.searchsorted(t.rows, torch.arange(lo, hi + chunk, chunk).clamp(max=hi))
+            t.dense_grad = torch.zeros(min(chunk, hi - lo), t.master.shape[1],
+                                       device=t.master.device)
+        bounds = torch.searchsorted(t.rows, torch.arange(lo, hi + chunk, chunk,
+                                                         device=t.rows.device).clamp(max=hi))
         for start, a, b in zip(range(lo, hi, chunk), bounds[:-1].tolist(), bounds[1:].tolist()):
             end = min(start + chunk, hi)
             zeros = t.dense_grad[:end - start]  # leading rows: contiguous, as the kernel needs
@@ -441,8 +456,9 @@ class TableOptimizer:
         """Split each table's update into the rows the next step reads (first, table by
         table) and the rest, and run both in the background (training/table_overlap.py)."""
         ids = torch.unique(torch.cat([i.flatten() for i in next_ids]))
-        needed = self.shards.needed_by_any(ids.to(parallel.device()), self.counters).cpu()
-        owned = torch.arange(self.shards.lo, self.shards.hi)
+        needed = self.shards.needed_by_any(ids.to(parallel.device()), self.counters) \
+            .to(self.state_device)
+        owned = torch.arange(self.shards.lo, self.shards.hi, device=self.state_device)
         first, rest = [], []
         for t in self.tables:
             grad = t.grad * clip_coef if clip_coef != 1.0 else t.grad
@@ -459,7 +475,7 @@ class TableOptimizer:
         gradients of the `touched` rows from `grad`, zero for the others."""
         at = torch.searchsorted(touched, rows).clamp(max=max(touched.numel() - 1, 0))
         hit = touched[at] == rows if touched.numel() else torch.zeros_like(rows, dtype=bool)
-        grads = torch.zeros(rows.numel(), t.master.shape[1])
+        grads = torch.zeros(rows.numel(), t.master.shape[1], device=t.master.device)
         grads[hit] = grad[at[hit]]
 
         def job(group):
