@@ -196,7 +196,8 @@ def test_sharded_state_at_dp4_across_a_resume_matches_the_replicated_reference(
         train, tmp_path, placement, update, extra):
     """The table state sharded over four ranks, stopped at step 15 and resumed, gives the
     30-step loss curve of one rank keeping the whole state (the replicated path, itself
-    tested against torch's AdamW and a row-wise Adam) to 1e-6."""
+    tested against torch's AdamW and a row-wise Adam) to 1e-6; each rank holds and updates
+    a quarter of it (the trainer's `tables/*` counters)."""
     options = [f"tables.update={update}", "train.steps=30", "train.eval_interval=30"]
     reference = train(1, *options, "tables.partition=replicated", name="replicated30")
     sharded = [f"tables.placement={placement}", "tables.partition=sharded", *extra, *options]
@@ -204,7 +205,16 @@ def test_sharded_state_at_dp4_across_a_resume_matches_the_replicated_reference(
     second = train(4, *sharded, save_dir=tmp_path, name="sharded_resumed")
     assert first["step"] == 15 and second["step"] == 30
     assert_same_curve(first["losses"] + second["losses"], reference["losses"], rel=1e-6)
-
+    elements = 2 * TINY["vocab_size"] * TINY["ffn_hidden_size"]  # two tables
+    log = tensorboard_scalars(tmp_path / "tensorboard")
+    # Two fp32 moments (the fp32 CPU table is its own master).
+    assert set(log["tables/cpu_state_bytes"].values()) == {2 * 4 * elements / 4}
+    adam = list(log["tables/adam_elements"].values())
+    assert len(adam) == 30
+    if update == "dense":
+        assert set(adam) == {elements / 4}
+    else:  # the shard's rows touched by any rank
+        assert 0 < min(adam) and max(adam) < elements / 4
 
 @pytest.mark.parametrize("update", ["dense", "lazy"])
 def test_update_overlapped_with_the_next_step_gives_the_same_curve(train, update):

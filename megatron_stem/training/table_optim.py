@@ -264,7 +264,7 @@ class TableOptimizer:
     def _to_state(self, grads: torch.Tensor) -> torch.Tensor:
         """Gradients where the optimizer state is (counted when they leave the device)."""
         if grads.device != self.state_device:
-            self.counters.d2h_bytes += grads.numel() * grads.element_size()
+            self.counters.grad_d2h_bytes += grads.numel() * grads.element_size()
         return grads.to(self.state_device)
 
     def _dp_world(self) -> int:

@@ -37,8 +37,8 @@ class TrafficCounters:
     grad_bytes: int = 0  # row gradients sent to other ranks (all-to-all or all-reduce)
     gather_bytes: int = 0  # updated rows received from other ranks
     index_bytes: int = 0  # row ids and counts exchanged
-    d2h_bytes: int = 0  # row gradients copied from the accelerator to the CPU
-    h2d_bytes: int = 0  # updated rows copied from the CPU to the accelerator
+    grad_d2h_bytes: int = 0  # row gradients copied from the accelerator to the CPU
+    update_h2d_bytes: int = 0  # updated rows copied from the CPU to the accelerator
     adam_elements: int = 0  # elements CPU Adam updated
 
     def reset(self) -> None:
@@ -63,8 +63,8 @@ class RowShards:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         if vocab % self.size:
             raise ConfigError(
-                f"tables.partition: sharded splits the {vocab} table rows (the padded "
-                f"vocabulary) evenly over {self.size} data-parallel ranks, and {vocab} is "
+                f"tables.partition: sharded splits the {vocab} table rows (the "
+                f"vocabulary size) evenly over {self.size} data-parallel ranks, and {vocab} is "
                 "not divisible by it; use a data-parallel size that divides it, or "
                 "tables.partition=replicated")
         self.vocab, self.rows = vocab, vocab // self.size
@@ -197,6 +197,6 @@ def _to_table(rows: torch.Tensor, table: torch.Tensor, counters: TrafficCounters
     accelerator, which then moves half the bytes of fp32 for bf16) and on its device."""
     rows = rows.to(table.dtype)
     if rows.device != table.device:
-        counters.h2d_bytes += rows.numel() * rows.element_size()
+        counters.update_h2d_bytes += rows.numel() * rows.element_size()
         rows = rows.to(table.device, non_blocking=True)
     return rows
