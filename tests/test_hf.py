@@ -335,10 +335,11 @@ def test_cli_export_bf16_with_sentencepiece_tokenizer(cli_export, sp_model, mega
     config = AutoConfig.from_pretrained(cli_export, trust_remote_code=True)
     assert config.dtype == torch.bfloat16 and config.eos_token_id == 2
     assert all(t.dtype == torch.bfloat16 for t in hf_tensors(cli_export).values())
-    tok = AutoTokenizer.from_pretrained(cli_export)
+    tok = AutoTokenizer.from_pretrained(cli_export, trust_remote_code=True)
     sp = sentencepiece.SentencePieceProcessor(model_file=str(sp_model))
-    for text in TEXTS:  # the exact training ids, and no special tokens added
+    for text in TEXTS:  # the exact training ids, no special tokens added, the text back
         assert tok(text)["input_ids"] == sp.encode(text), text
+        assert tok.decode(sp.encode(text)) == sp.decode(sp.encode(text)) == text, text
     model = load_hf(cli_export)
     with torch.no_grad():
         logits = model(megatron["tokens"]).logits.float()
@@ -364,7 +365,7 @@ def test_export_with_a_tokenizer_json(megatron, tmp_path, with_config):
              "chat_template": "{{ messages }}"}))
     out = export(megatron["root"] / "dense_tp2", tmp_path / "hf",
                  tokenizer=tmp_path / "tokenizer.json")
-    tok = AutoTokenizer.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
     assert tok("the stem of the table")["input_ids"] == \
         raw.encode("the stem of the table").ids == [5, 3, 6, 5, 4]
     eos = 1 if with_config else 2

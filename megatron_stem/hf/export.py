@@ -102,17 +102,24 @@ def export(checkpoint_dir: str | Path, output: str | Path, dtype: Optional[str] 
     shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed export
     tmp.mkdir(parents=True)
     _write_weights(reader, maps, tmp, out_dtype, max_shard_bytes)
-    config = names.hf_config(model, str(out_dtype).removeprefix("torch."))
-    if tok is not None:
-        tokenizer_files.write(tok, tmp, model.seq_length)
-        special = tok.special_ids()
-        config.update(special)
-        (tmp / "generation_config.json").write_text(json.dumps(special, indent=2) + "\n")
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name in names.REMOTE_FILES:
-        shutil.copyfile(REMOTE_DIR / name, tmp / name)
+    write_model_files(tmp, model, str(out_dtype).removeprefix("torch."), tok)
     tmp.rename(output)
     return output
+
+
+def write_model_files(folder: Path, model: ModelConfig, dtype: str,
+                      tok: Optional[tokenizer_files.TokenizerFiles]) -> None:
+    """Everything of an export but its weights: config.json, the model code and, with a
+    tokenizer, its files and generation_config.json."""
+    config = names.hf_config(model, dtype)
+    if tok is not None:
+        tokenizer_files.write(tok, folder, model.seq_length)
+        special = tok.special_ids()
+        config.update(special)
+        (folder / "generation_config.json").write_text(json.dumps(special, indent=2) + "\n")
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in names.REMOTE_FILES:
+        shutil.copyfile(REMOTE_DIR / name, folder / name)
 
 
 def _write_weights(reader: CheckpointReader, maps: list[names.TensorMap], folder: Path,

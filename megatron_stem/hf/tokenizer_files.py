@@ -1,21 +1,30 @@
-"""Tokenizer files of an export: a SentencePiece `.model` or a Hugging Face `tokenizer.json`.
+"""Tokenizer files of an export: what `AutoTokenizer.from_pretrained(export)` loads.
 
-The HF tokenizer must encode exactly as training did, and add no special tokens (training
-data gets none but an optional end-of-document token). So a SentencePiece model is shipped
-as itself with transformers' `SentencePieceBackend`, which calls the sentencepiece library:
-`LlamaTokenizer` would convert it to a BPE tokenizer with Llama's whitespace rules, which
-silently re-tokenizes unigram models (and some BPE ones) differently.
+The HF tokenizer must encode exactly as training did, decode exactly as the source
+library does, add no special tokens training did not (training data gets none but an
+optional end-of-document token), and load with no remote code. So both kinds ship as a
+`tokenizer.json` for transformers' built-in fast tokenizer:
+
+- a Hugging Face `tokenizer.json` as it is, with its tokenizer_config.json;
+- a SentencePiece `.model` converted by `sentencepiece_json` (checked against sentencepiece
+  at export), shipped beside the original `tokenizer.model`.
+
+transformers' decode is told not to "clean up tokenization spaces" (it would turn
+`"a ."` into `"a."`): the text comes back as the tokenizer's own decoder gives it.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_stem.errors import UserError
+from megatron_stem.hf import sentencepiece_json
 from megatron_stem.tokenizer import HuggingFaceTokenizer, Tokenizer, load_tokenizer
+
+_FAST = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
 
 
 @dataclass
@@ -23,6 +32,7 @@ class TokenizerFiles:
     tokenizer: Tokenizer  # as training loads it: the export's special ids are the same
     files: dict[str, Path]  # name in the export -> file to copy
     config: dict  # tokenizer_config.json
+    written: dict[str, str] = field(default_factory=dict)  # name in the export -> its text
 
     @property
     def source(self) -> str:
@@ -44,15 +54,12 @@ def inspect(path: str | Path) -> TokenizerFiles:
     if path.is_dir():
         path = path / "tokenizer.json"
     if path.suffix == ".model":
-        tok = load_tokenizer("sentencepiece", path)
-        return TokenizerFiles(tok, {"tokenizer.model": path},
-                              {"tokenizer_class": "SentencePieceBackend",
-                               **tok.special_tokens()})
+        return _sentencepiece(path)
     if path.suffix == ".json":
         tok = load_tokenizer("huggingface", path)
-        # The config beside it as it is, with the special tokens it leaves unsaid filled in
-        # as training found them (by their usual names).
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", **tok.config}
+        # The config beside it, with the special tokens it leaves unsaid filled in as
+        # training found them (by their usual names).
+        config = {**tok.config, **_FAST}
         for name, token in tok.special_tokens().items():
             if config.get(name) is None:
                 config[name] = token
@@ -61,6 +68,16 @@ def inspect(path: str | Path) -> TokenizerFiles:
         raise UserError(f"{path}: tokenizer file not found")
     raise UserError(f"{path}: --tokenizer takes a SentencePiece .model or a Hugging Face "
                     "tokenizer.json")
+
+
+def _sentencepiece(path: Path) -> TokenizerFiles:
+    tok = load_tokenizer("sentencepiece", path)
+    converted = sentencepiece_json.convert(path)
+    sentencepiece_json.check_same(path, converted)
+    # sentencepiece never reads "</s>" in text as the control token: neither may the export.
+    config = {**_FAST, "split_special_tokens": True, **tok.special_tokens()}
+    return TokenizerFiles(tok, {"tokenizer.model": path}, config,
+                          {"tokenizer.json": converted.to_str(pretty=True)})
 
 
 def _huggingface_files(tok: HuggingFaceTokenizer) -> dict[str, Path]:
@@ -75,5 +92,7 @@ def _huggingface_files(tok: HuggingFaceTokenizer) -> dict[str, Path]:
 def write(tok: TokenizerFiles, folder: Path, model_max_length: int) -> None:
     for name, source in tok.files.items():
         shutil.copyfile(source, folder / name)
+    for name, text in tok.written.items():
+        (folder / name).write_text(text, encoding="utf-8")
     config = {**tok.config, "model_max_length": model_max_length}
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
