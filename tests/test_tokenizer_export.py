@@ -28,7 +28,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download
 ADVERSARIAL = [
     "alpha\nbeta 42 é", "  two  leading spaces", " one leading", "trailing   ", "\ttab\tand\ttabs",
     "\n\nnewlines first\n", "line\r\nbreaks\rand\x0bmore", "naïve café déjà vu — über",
-    "東京は日本の首都です。", "中文 和 English 混合", "emoji 🚀🔥 and 👩‍👩‍👧 family", "\x00\x01\x07\x1b[31mred",
+    "東京は日本の首都です。", "中文 和 English 混合", "emoji 🚀🔥 and 👩‍👩‍👧 family",
+    "\x00\x01\x07\x1b[31mred",
     "text</s>around<s>special <unk> tokens", "<|endoftext|>gpt<|endoftext|> <pad>",
     "a literal <0x0A> byte piece", "", " ", "    ", "a  .  b ,c", "Don't  stop ; it 's",
     "x" * 300, "1234567890 3.14159 -42",
