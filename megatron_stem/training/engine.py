@@ -11,14 +11,11 @@ the tables' share of the norm (see `_include_tables_in_grad_norm`). Host-residen
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import os
-import platform
-from pathlib import Path
 
 import torch
 from megatron.core import parallel_state as ps
 
+from megatron_stem import ops
 from megatron_stem.config import Recipe
 from megatron_stem.errors import ConfigError
 from megatron_stem.model.table import StemTable
@@ -44,21 +41,6 @@ class MegatronMpu:
     get_pipeline_model_parallel_world_size = staticmethod(
         ps.get_pipeline_model_parallel_world_size)
     get_pipeline_model_parallel_group = staticmethod(ps.get_pipeline_model_parallel_group)
-
-
-def set_extensions_cache() -> None:
-    """Key DeepSpeed's JIT-op cache by CPU model: ops are built with -march=native, and a
-    home directory shared by nodes of different CPUs would otherwise load illegal code."""
-    if "TORCH_EXTENSIONS_DIR" in os.environ:
-        return
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    key = hashlib.sha1(cpu.encode()).hexdigest()[:10]
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(Path.home() / ".cache" / "torch_extensions" / key)
 
 
 def split_parameters(model: torch.nn.Module):
@@ -184,7 +166,7 @@ def check_table_memory(tables, placement: str, shards: int = 1) -> None:
 
 def build_engine(model: torch.nn.Module, recipe: Recipe):
     """Wrap `model` in a DeepSpeed engine; returns (engine, table optimizer, norms)."""
-    set_extensions_cache()
+    ops.start_deepspeed(cpu_adam=recipe.optimizer.offload or recipe.tables.kernel == "deepspeed")
     import deepspeed
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 

@@ -60,9 +60,9 @@ class AdamKernel:
         self.betas, self.eps = betas, eps
         self.op = None
         if kind == "deepspeed":
-            from deepspeed.ops.op_builder import CPUAdamBuilder
+            from megatron_stem.ops import load_cpu_adam
 
-            self.op = CPUAdamBuilder().load()
+            self.op = load_cpu_adam()
             self.id = next(_kernel_ids)
             self.op.create_adam(self.id, 0.0, betas[0], betas[1], eps, 0.0, True, False)
 

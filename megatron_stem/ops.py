@@ -1,0 +1,105 @@
+"""DeepSpeed's JIT-compiled ops: built once per environment, in one folder, announced.
+
+DeepSpeed compiles its C++ ops (CPU Adam; on CPU also its shared-memory collectives) the
+first time they load, a minute or two each, under `$TORCH_EXTENSIONS_DIR`. The folder is
+keyed by the CPU model (ops are built with -march=native: a home directory shared by nodes
+of different CPUs would otherwise load illegal code) and by the environment (two virtual
+environments, or two torch/DeepSpeed versions, would otherwise rebuild each other's ops).
+Every load goes through `load`, which says what it builds before a cold build starts and
+nothing when the op is already there. `tools/build_ops.py` builds them ahead of time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import platform
+import sys
+from importlib import metadata
+from pathlib import Path
+
+
+def _cpu_model() -> str:
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def extensions_dir() -> Path:
+    """`$TORCH_EXTENSIONS_DIR` when set, else ~/.cache/torch_extensions/<key>, the key
+    hashing the CPU model, this environment and its torch and DeepSpeed versions."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    key = "|".join([_cpu_model(), sys.prefix, platform.python_version(),
+                    metadata.version("torch"), metadata.version("deepspeed")])
+    return Path.home() / ".cache" / "torch_extensions" / hashlib.sha1(key.encode()).hexdigest()[:10]
+
+
+def use_extensions_dir() -> Path:
+    """Point torch's JIT builds (ours and DeepSpeed's own) at `extensions_dir()`."""
+    folder = extensions_dir()
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
+    return folder
+
+
+def _speaks() -> bool:
+    """One process per node announces a build (the others wait on the same build lock)."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+
+def load(builder, what: str):
+    """`builder.load()` from the one folder, announced when it has to compile first."""
+    folder = use_extensions_dir()
+    if not (folder / builder.name / f"{builder.name}.so").is_file() and _speaks():
+        print(f"building {what}, once per environment, ~1-2 min (into {folder})", flush=True)
+    return builder.load()
+
+
+def load_cpu_adam():
+    """DeepSpeed's CPU Adam op (the table optimizer's kernel and DeepSpeedCPUAdam's)."""
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    return load(CPUAdamBuilder(), "DeepSpeed CPU Adam")
+
+
+def _shm_comm_builder():
+    """DeepSpeed's shared-memory collectives, which its CPU backend loads on every start;
+    None where the accelerator has none (GPUs)."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return None
+    return builder
+
+
+def start_deepspeed(cpu_adam: bool) -> None:
+    """Before `deepspeed.initialize`: load the ops this run needs from the one folder
+    (`cpu_adam`: CPU Adam too) and start DeepSpeed's communication backend on the process
+    group already running, without the line DeepSpeed prints on every rank when its
+    shared-memory op loads."""
+    import deepspeed.comm
+    from deepspeed.accelerator import get_accelerator
+
+    use_extensions_dir()
+    if cpu_adam:
+        load_cpu_adam()
+    builder = _shm_comm_builder()
+    if builder is not None:
+        load(builder, "DeepSpeed shared-memory collectives")
+    with contextlib.redirect_stdout(io.StringIO()):
+        deepspeed.comm.init_distributed(get_accelerator().communication_backend_name())
+
+
+def build_all() -> list[str]:
+    """Build every op a training run may load; the names of those built or found."""
+    built = [load_cpu_adam().__name__]
+    builder = _shm_comm_builder()
+    if builder is not None:
+        built.append(load(builder, "DeepSpeed shared-memory collectives").__name__)
+    return built
