@@ -110,13 +110,13 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"override '{item}': expected the form section.field=value")
+            raise ConfigError(f"command line: {item}: expected the form section.field=value")
         node = data
         *parents, leaf = key.split(".")
         for part in parents:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"override '{item}': '{part}' is not a section")
+                raise ConfigError(f"command line: {item}: '{part}' is not a section")
         node[leaf] = yaml.safe_load(raw)
     return data
 
@@ -415,4 +415,21 @@ def load_recipe(path: str | Path, overrides: list[str] = (), cls: type = Recipe)
     try:
         return from_dict(cls, data)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        raise ConfigError(_blame(str(e), path, list(overrides))) from None
+
+
+def _blame(error: str, path: Path, overrides: list[str]) -> str:
+    """`error` ("field: problem") prefixed by where the field's value came from: the last
+    command-line override that set it (or a section holding it), else the recipe file."""
+    field, _, problem = error.partition(": ")
+    for item in reversed(overrides):
+        key = item.partition("=")[0]
+        if field == key:
+            return f"command line: {item}: {problem}"
+        if _within(field, key) or _within(key, field):
+            return f"command line: {item}: {error}"
+    return f"{path}: {error}"
+
+
+def _within(field: str, section: str) -> bool:
+    return field.startswith((section + ".", section + "["))

@@ -59,14 +59,40 @@ def test_recipes_inherit_and_accept_overrides(tmp_path):
                          ["model.stem_layers=[2, 3]", "parallel.tensor_parallel=2"])
     assert recipe.model.hidden_size == 2048 and recipe.model.stem_layer_indices == [2, 3]
     assert recipe.parallel.tensor_parallel == 2
-    with pytest.raises(ConfigError, match=r"stem_1b\.yaml: model\.hidden_sise: unknown field"):
-        load_recipe(ROOT / "recipes" / "stem_1b.yaml", ["model.hidden_sise=3"])
     with pytest.raises(ConfigError, match="recipe file not found"):
         load_recipe(tmp_path / "nope.yaml")
     (tmp_path / "a.yaml").write_text("inherit: b.yaml\n")
     (tmp_path / "b.yaml").write_text("inherit: a.yaml\n")
     with pytest.raises(ConfigError, match="inherit cycle"):
         load_recipe(tmp_path / "a.yaml")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.hidden_sise=3"], "command line: model.hidden_sise=3: unknown field "
+                              "(did you mean 'hidden_size'?)"),
+    (["train.steps=5", "train.steps=many"], "command line: train.steps=many: expected an "
+                                            "integer, got 'many'"),
+    (["trian.steps=5"], "command line: trian.steps=5: trian: unknown field "
+                        "(did you mean 'train'?)"),
+    (["model={hidden_size: 3}"], "command line: model={hidden_size: 3}: "
+                                 "model.num_layers: required field is missing"),
+    (["model.hidden_size=2048=1"], "command line: model.hidden_size=2048=1: expected an "
+                                   "integer, got '2048=1'"),
+    (["train"], "command line: train: expected the form section.field=value"),
+])
+def test_errors_in_command_line_overrides_say_so(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_recipe(ROOT / "recipes" / "stem_1b.yaml", overrides)
+    assert str(e.value) == message
+
+
+def test_errors_in_the_recipe_name_its_file(tmp_path):
+    (tmp_path / "base.yaml").write_text((ROOT / "recipes" / "tiny_cpu.yaml").read_text())
+    (tmp_path / "mine.yaml").write_text("inherit: base.yaml\ntrain:\n  stpes: 5\n")
+    with pytest.raises(ConfigError) as e:  # an override of another field changes nothing
+        load_recipe(tmp_path / "mine.yaml", ["train.steps=5"])
+    assert str(e.value) == f"{tmp_path / 'mine.yaml'}: train.stpes: unknown field " \
+                           "(did you mean 'steps'?)"
 
 
 def test_every_shipped_recipe_loads():
