@@ -207,6 +207,22 @@ _MEGATRON_NAMES = {"SentencePieceTokenizer": "sentencepiece",
                    "HuggingFaceTokenizer": "huggingface"}
 
 
+# Where a missing tokenizer file comes from, for errors about one.
+WHERE_TO_GET = ("the Llama-3 recipes use the tokenizer.json of meta-llama/Llama-3.2-1B on the "
+                "Hugging Face hub; or train a SentencePiece model with tools/train_tokenizer.py "
+                "and set tokenizer_type: sentencepiece")
+
+
+def load_setting(setting: str, tokenizer_type: str, path: str | os.PathLike) -> Tokenizer:
+    """`load_tokenizer` for a config setting: an error names the setting to change, and
+    where to get the file when it is missing."""
+    try:
+        return load_tokenizer(tokenizer_type, path)
+    except UserError as e:
+        hint = "" if Path(path).exists() else f" ({WHERE_TO_GET})"
+        raise UserError(f"{setting}: {e}{hint}") from None
+
+
 def load_tokenizer(tokenizer_type: str, path: str | os.PathLike) -> Tokenizer:
     """`tokenizer_type` is `sentencepiece` or `huggingface` (or a Megatron-LM alias)."""
     kind = _MEGATRON_NAMES.get(tokenizer_type, tokenizer_type)

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_stem import checkpoint
+from megatron_stem import checkpoint, quiet
 from megatron_stem.accounting import account
 from megatron_stem.config import Recipe, load_recipe
 from megatron_stem.errors import ConfigError, UserError, cli
@@ -100,9 +102,10 @@ def evaluate(model, microbatches: list[dict], tables=None) -> float:
 
 
 def _load_tokenizer(recipe: Recipe):
-    from megatron_stem.tokenizer import check_fits, load_tokenizer
+    from megatron_stem.tokenizer import check_fits, load_setting
 
-    tokenizer = load_tokenizer(recipe.data.tokenizer_type, recipe.data.tokenizer_model)
+    tokenizer = load_setting("data.tokenizer_model", recipe.data.tokenizer_type,
+                             recipe.data.tokenizer_model)
     check_fits(tokenizer, recipe.model.vocab_size,
                f"data.tokenizer_model: {recipe.data.tokenizer_model}")
     return tokenizer
@@ -125,6 +128,20 @@ def _save(save_dir, step, recipe, model, engine, tables) -> None:
                                             step * recipe.train.global_batch_size})
 
 
+def _finished_step(recipe: Recipe) -> Optional[int]:
+    """The step of a run already trained to `train.steps` (said on rank 0), else None."""
+    ckpt = checkpoint.latest(recipe.train.save_dir)
+    if ckpt is None or not (ckpt / TRAIN_STATE).is_file():
+        return None
+    step = load_train_state(ckpt)["step"]
+    if step < recipe.train.steps:
+        return None
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"nothing left to train: {ckpt} is at step {step} of train.steps="
+              f"{recipe.train.steps} (raise train.steps to train on)", flush=True)
+    return step
+
+
 def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     """Train per `recipe`; returns {"losses": [per step run here], "valid": [...],
     "step": last step, "preempted": bool}. `on_step(step)` is called after every step
@@ -134,6 +151,9 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
         raise ConfigError("parallel.pipeline_parallel: training runs under the DeepSpeed "
                           "engine, which cannot pipeline a megatron model; use tensor "
                           "parallelism (checkpoints saved this way load at any PP)")
+    finished = _finished_step(recipe)
+    if finished is not None:
+        return {"losses": [], "valid": [], "step": finished, "preempted": False}
     check_prefixes(recipe.data.prefixes)
     tokenizer = tokenizer or _load_tokenizer(recipe)
     # Before anything slow: a stop signal during start-up must set the flag, not kill the
@@ -252,6 +272,7 @@ def main(argv=None) -> int:
     parser.add_argument("--recipe", required=True, help="a YAML file in recipes/")
     parser.add_argument("overrides", nargs="*", help="section.field=value (YAML values)")
     args = parser.parse_args(argv)
+    quiet.other_ranks_quiet()
     result = run(load_recipe(args.recipe, args.overrides))
     return EXIT_REQUEUE if result["preempted"] else 0
 
