@@ -1,0 +1,114 @@
+"""What a person reads: `--help` and one-line errors with nothing around them, other
+libraries' noise filtered at its source, JIT op builds announced once and cached per
+environment. (The quickstart's whole output is checked in test_quickstart.py.)"""
+
+import logging
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, subprocess_env
+from megatron_stem import ops, quiet
+from megatron_stem.tokenizer import WHERE_TO_GET
+
+CLIS = [[str(p)] for p in sorted((ROOT / "tools").glob("*.py"))] + \
+    [["-m", "megatron_stem.train"]]
+
+
+def run_cli(argv: list[str]) -> subprocess.CompletedProcess:
+    # No PYTHONWARNINGS: the filters under test are the only ones.
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True,
+                          timeout=300, env=subprocess_env(), cwd=ROOT,
+                          stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("cli", CLIS, ids=lambda c: Path(c[-1]).stem.split(".")[-1])
+def test_help_prints_the_help_only(cli):
+    proc = run_cli(cli + ["--help"])
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert proc.stdout.startswith("usage: ")
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["-m", "megatron_stem.train", "--recipe", "recipes/tiny_cpu.yaml", "train.stpes=3"],
+     "command line: train.stpes=3: unknown field (did you mean 'steps'?)"),
+    (["-m", "megatron_stem.train", "--recipe", "recipes/stem_1b.yaml",
+      "data.prefixes=[{tmp}/data]", "data.tokenizer_model=/nope/tokenizer.json"],
+     f"data.tokenizer_model: /nope/tokenizer.json: Hugging Face tokenizer.json not found "
+     f"({WHERE_TO_GET})"),
+    (["tools/to_hf.py", "--checkpoint", "/nope", "--output", "/nope/out"],
+     "/nope: no such checkpoint folder"),
+    (["tools/preprocess_data.py", "--input", "data_corpus/gcide.jsonl.gz", "--output-prefix",
+      "{tmp}/x", "--tokenizer-type", "sentencepiece", "--tokenizer-model", "/nope.model"],
+     "/nope.model: SentencePiece model not found"),
+], ids=["override", "tokenizer", "to_hf", "preprocess"])
+def test_errors_are_one_line_with_nothing_else(argv, error, tmp_path):
+    for ext in (".bin", ".idx"):  # data that exists, so the tokenizer is what is missing
+        (tmp_path / f"data{ext}").write_bytes(b"")
+    proc = run_cli([a.format(tmp=tmp_path) for a in argv])
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {error}\n")
+
+
+def test_filters_drop_only_the_messages_they_name(caplog):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        quiet.install()
+        warnings.warn_explicit("Transformer Engine and Apex are not installed. Falling back",
+                               UserWarning, "x.py", 1, module="megatron.core.optimizer")
+        warnings.warn_explicit("Transformer Engine and Apex are not installed. Falling back",
+                               UserWarning, "x.py", 1, module="my_code")  # not megatron's
+        warnings.warn_explicit("Some other megatron warning", UserWarning, "x.py", 2,
+                               module="megatron.core.optimizer")
+    assert [str(w.message) for w in caught] == [
+        "Transformer Engine and Apex are not installed. Falling back",
+        "Some other megatron warning"]
+    logger = logging.getLogger("DeepSpeed")
+    with caplog.at_level(logging.WARNING, logger="DeepSpeed"):
+        logger.warning("Setting accelerator to CPU. If you have GPU or other accelerator, "
+                       "we were unable to detect it.")
+        logger.warning("something DeepSpeed wants the user to know")
+    assert [r.getMessage() for r in caplog.records] == [
+        "something DeepSpeed wants the user to know"]
+    quiet.install()  # again: one filter, not two
+    assert sum(isinstance(f, quiet._DropMessages) for f in logger.filters) == 1
+
+
+class FakeBuilder:
+    """An op builder whose `load` records that it ran (a real build takes minutes)."""
+
+    name = "fake_op"
+
+    def __init__(self):
+        self.loads = 0
+
+    def load(self):
+        self.loads += 1
+        return self
+
+
+def test_op_builds_are_announced_once_and_cached_per_environment(tmp_path, monkeypatch,
+                                                                   capsys):
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setattr(Path, "home", lambda: tmp_path)
+    folder = ops.extensions_dir()
+    assert folder.parent == tmp_path / ".cache" / "torch_extensions"
+    monkeypatch.setattr(sys, "prefix", "/another/venv")  # another environment, same CPU
+    other = ops.extensions_dir()
+    assert other != folder and other.parent == folder.parent
+    monkeypatch.undo()
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))  # the user's choice
+    builder = FakeBuilder()
+    ops.load(builder, "the fake op")
+    assert capsys.readouterr().out == \
+        f"building the fake op, once per environment, ~1-2 min (into {tmp_path / 'ext'})\n"
+    (tmp_path / "ext" / "fake_op").mkdir(parents=True)
+    (tmp_path / "ext" / "fake_op" / "fake_op.so").write_bytes(b"")
+    ops.load(builder, "the fake op")  # built: nothing to say
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    (tmp_path / "ext" / "fake_op" / "fake_op.so").unlink()
+    ops.load(builder, "the fake op")  # another rank of the node: the first one says it
+    assert capsys.readouterr().out == "" and builder.loads == 3
