@@ -79,10 +79,10 @@ def _shm_comm_builder():
 
 
 def start_deepspeed(cpu_adam: bool) -> None:
-    """Before `deepspeed.initialize`: load the ops this run needs from the one folder
-    (`cpu_adam`: CPU Adam too) and start DeepSpeed's communication backend on the process
-    group already running, without the line DeepSpeed prints on every rank when its
-    shared-memory op loads."""
+    """Before `deepspeed.initialize`: load the ops DeepSpeed itself will load from the one
+    folder, announced (`cpu_adam`: for an offloaded DeepSpeedCPUAdam), and start its
+    communication backend on the process group already running, without the line DeepSpeed
+    prints on every rank when its shared-memory op loads."""
     import deepspeed.comm
     from deepspeed.accelerator import get_accelerator
 

@@ -25,6 +25,7 @@ def run_cli(argv: list[str]) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("cli", CLIS, ids=lambda c: Path(c[-1]).stem.split(".")[-1])
 def test_help_prints_the_help_only(cli):
     proc = run_cli(cli + ["--help"])
@@ -32,6 +33,7 @@ def test_help_prints_the_help_only(cli):
     assert proc.stdout.startswith("usage: ")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("argv, error", [
     (["-m", "megatron_stem.train", "--recipe", "recipes/tiny_cpu.yaml", "train.stpes=3"],
      "command line: train.stpes=3: unknown field (did you mean 'steps'?)"),

@@ -93,7 +93,7 @@ def unigram_model(tmp_path_factory) -> str:
 
     prefix = tmp_path_factory.mktemp("unigram") / "gcide"
     return train_sentencepiece(TokenizerTrainingConfig(
-        inputs=[str(CORPUS)], output_prefix=str(prefix), vocab_size=800, max_docs=1500,
+        inputs=[str(CORPUS)], output_prefix=str(prefix), vocab_size=800, max_docs=600,
         model_type="unigram", threads=1), log=None)["model"]
 
 
@@ -164,6 +164,7 @@ print(repr(tok.decode(tok("alpha\\nbeta 42 é")["input_ids"])))
 """
 
 
+@pytest.mark.integration
 def test_auto_tokenizer_loads_silently_without_a_terminal(sp_model, tmp_path):
     """No prompt, no made-up URL, no model-type warning: stdin closed, everything captured."""
     folder = export_tokenizer(sp_model, tmp_path / "hf")

@@ -166,7 +166,7 @@ def check_table_memory(tables, placement: str, shards: int = 1) -> None:
 
 def build_engine(model: torch.nn.Module, recipe: Recipe):
     """Wrap `model` in a DeepSpeed engine; returns (engine, table optimizer, norms)."""
-    ops.start_deepspeed(cpu_adam=recipe.optimizer.offload or recipe.tables.kernel == "deepspeed")
+    ops.start_deepspeed(cpu_adam=recipe.optimizer.offload)  # the tables load theirs
     import deepspeed
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
