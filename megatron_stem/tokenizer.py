@@ -208,9 +208,10 @@ _MEGATRON_NAMES = {"SentencePieceTokenizer": "sentencepiece",
 
 
 # Where a missing tokenizer file comes from, for errors about one.
-WHERE_TO_GET = ("the Llama-3 recipes use the tokenizer.json of meta-llama/Llama-3.2-1B on the "
-                "Hugging Face hub; or train a SentencePiece model with tools/train_tokenizer.py "
-                "and set tokenizer_type: sentencepiece")
+WHERE_TO_GET = ("the Llama-3 recipes use meta-llama/Llama-3.2-1B's from the Hugging Face hub: "
+                "hf download meta-llama/Llama-3.2-1B tokenizer.json tokenizer_config.json "
+                "--local-dir tokenizers/llama3; or train a SentencePiece model with "
+                "tools/train_tokenizer.py and set tokenizer_type: sentencepiece")
 
 
 def load_setting(setting: str, tokenizer_type: str, path: str | os.PathLike) -> Tokenizer:
