@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration  # tools/quickstart.sh end to end
 # Every line the quickstart prints is one of ours: no other library's warnings, no line
 # twice because two ranks said it.
 OWN_LINES = re.compile("|".join([
-    r"training on [\d,]+ of [\d,]+ documents", r"wrote .+", r"[\d.]+% \| [\d,]+ docs \| .+",
+    r"training on [\d,]+ of [\d,]+ documents", r"wrote .+", r" *[\d.]+% \| [\d,]+ docs \| .+",
     r"[\d,]+ documents, [\d,]+ tokens from .+", r"this run: .+", r"model: total .+",
     r"step \d+(/\d+)? \| .+", r"building .+, once per environment, .+", r"done: .+",
     r"nothing left to train: .+"]))
