@@ -1,0 +1,478 @@
+"""The step-time model: one training step of one rank, component by component.
+
+A step is the forward/backward of the rank's micro-batches (FLOPs from `accounting.py`
+over the achievable FLOP/s), the backbone's ZeRO gradient reduction, parameter all-gather
+and optimizer step, and the tables' path (`traffic.py` counts, over the links of
+`hardware.py`). What overlaps what:
+
+* `none`: the table path runs after the last backward, its stages one after another.
+* `backward` (exact): each table's path starts when its gradient is final (the last
+  micro-batch's backward has passed its layer), tables in the order backward finishes
+  them, each in chunks that pipeline through the stages (a flow shop over the links: the
+  network, host->device and device->host copies, the CPU, the accelerator's memory). The
+  next step waits for all of it before its first STEM lookup (host placement: before its
+  first staging). The network is the backbone's while it reduces its gradients.
+* `delayed` (one-step-delayed update, not exact): step k's table path runs during step
+  k+1, all tables ready at its start; only what outlasts step k+1 is exposed.
+
+Host placement stages each micro-batch's rows one micro-batch ahead: the staging of the
+first micro-batch is exposed, the others only by what exceeds a micro-batch's compute.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+
+from megatron_stem.accounting import account
+from megatron_stem.config import Recipe
+from megatron_stem.errors import UserError
+from megatron_stem.planning import rows as row_model
+from megatron_stem.planning import traffic
+from megatron_stem.planning.hardware import Hardware
+from megatron_stem.planning.traffic import Layout, RowCounts, TableShape
+
+PLACEMENTS = ("device", "host")
+UPDATES = ("dense", "lazy")
+PARTITIONS = ("replicated", "sharded")
+OVERLAPS = ("none", "backward", "delayed")
+OPTIMIZERS = ("cpu", "gpu")
+CHUNKS_PER_TABLE = 4  # `backward`/`delayed`: a table's rows go through the path in chunks
+# Activation memory per token per layer in bf16 without recompute, with flash attention
+# (Korthikanti et al. 2022: 34 x hidden bytes per token per layer, the s^2 term gone).
+ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN = 34
+# ZeRO-1/2 backbone: bf16 params and grads on the device, fp32 master and moments / DP.
+BACKBONE_OPTIMIZER_BYTES_PER_PARAM = 12
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to train the tables (the `tables.*` fields of the design)."""
+
+    placement: str
+    update: str
+    partition: str
+    overlap: str
+    optimizer: str = "cpu"
+
+    @property
+    def exact(self) -> bool:
+        return self.overlap != "delayed"
+
+    @property
+    def today(self) -> bool:
+        return self.partition == "replicated"
+
+    def __str__(self) -> str:
+        return "/".join((self.placement, self.update, self.partition, self.overlap,
+                         self.optimizer))
+
+    @classmethod
+    def parse(cls, text: str) -> "Option":
+        parts = text.split("/")
+        if len(parts) != 5:
+            raise UserError(f"--choose: expected placement/update/partition/overlap/optimizer "
+                            f"(e.g. device/dense/sharded/backward/cpu), got {text!r}")
+        option = cls(*parts)
+        if option not in all_options():
+            raise UserError(f"--choose: {text} is not a supported combination")
+        return option
+
+
+def all_options() -> list[Option]:
+    """Every combination the code has or the design adds. Today's path (`replicated`) runs
+    serially with a CPU optimizer; the GPU optimizer exists for sharded device tables."""
+    out = []
+    for p, u, part, o, opt in itertools.product(PLACEMENTS, UPDATES, PARTITIONS, OVERLAPS,
+                                                OPTIMIZERS):
+        option = Option(p, u, part, o, opt)
+        if part == "replicated" and (o != "none" or opt != "cpu"):
+            continue
+        if opt == "gpu" and (p != "device" or part != "sharded"):
+            continue
+        out.append(option)
+    return out
+
+
+def configured_option(recipe: Recipe) -> Option:
+    """The option a recipe trains with; fields the config does not have yet take today's
+    behaviour (replicated, no overlap, CPU optimizer)."""
+    t = recipe.tables
+    return Option(t.placement, t.update, getattr(t, "partition", "replicated"),
+                  getattr(t, "overlap", "none"), getattr(t, "optimizer_device", "cpu"))
+
+
+# -- the workload -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One rank's step of a recipe on a cluster."""
+
+    name: str
+    dp: int
+    tp: int
+    microbatches: int
+    tokens_per_microbatch: int
+    flops_per_token: float  # forward + backward, as the trainer's MFU counts them
+    head_share: float  # of those FLOPs, the output layer's (first in backward)
+    num_layers: int
+    stem_layers: tuple[int, ...]
+    backbone_params: int  # per TP rank
+    activation_bytes: float
+    dtype_bytes: int
+    zero_stage: int
+    shape: TableShape
+    rows: RowCounts
+
+    @property
+    def tokens(self) -> int:
+        return self.microbatches * self.tokens_per_microbatch
+
+    @property
+    def flops(self) -> float:
+        return self.tokens * self.flops_per_token
+
+    def layout(self, option: Option, cluster: Cluster, hw: Hardware) -> Layout:
+        return Layout(option.placement, option.update, option.partition, option.optimizer,
+                      dp=self.dp, ranks_per_copy=min(self.dp, cluster.gpus_per_node),
+                      grad_bytes=self.dtype_bytes, param_bytes=self.dtype_bytes,
+                      device_is_host=hw.device_is_host)
+
+
+def training_flops_per_token(recipe: Recipe) -> float:
+    """Forward + backward FLOPs per token as the trainer's MFU counts them: 6 x active
+    parameters (accounting.py) + attention's 12 x layers x hidden x seq."""
+    m = recipe.model
+    return 6 * account(m).active_params + 12 * m.num_layers * m.hidden_size * m.seq_length
+
+
+def workload(recipe: Recipe, cluster: Cluster, exponent: float = row_model.ZIPF_EXPONENT,
+             rows_override: dict | None = None, name: str = "") -> Workload:
+    m, t, par = recipe.model, recipe.train, recipe.parallel
+    tp = par.tensor_parallel * par.pipeline_parallel
+    if cluster.world % tp:
+        raise UserError(f"--nodes x --gpus-per-node = {cluster.world} is not a multiple of "
+                        f"TP x PP = {tp}")
+    dp = cluster.world // tp
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise UserError(f"{name}: train.global_batch_size {t.global_batch_size} is not a "
+                        f"multiple of micro_batch_size x DP = {t.micro_batch_size * dp}")
+    mbs = t.global_batch_size // (t.micro_batch_size * dp)
+    per_mb = t.micro_batch_size * m.seq_length
+    flops = training_flops_per_token(recipe)
+    head = 6 * m.vocab_size * m.hidden_size / tp
+    stem = m.stem_layer_indices
+    shape = TableShape(len(stem), m.vocab_size, m.ffn_hidden_size // par.tensor_parallel)
+    counts = expected_rows(shape.rows, dp, mbs, per_mb, exponent, rows_override or {})
+    activations = ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN * per_mb * m.hidden_size * \
+        m.num_layers / tp
+    return Workload(
+        name=name, dp=dp, tp=tp, microbatches=mbs, tokens_per_microbatch=per_mb,
+        flops_per_token=flops / tp, head_share=min(head / flops, 0.9),
+        num_layers=m.num_layers, stem_layers=tuple(stem),
+        backbone_params=account(m).active_params // tp, activation_bytes=activations,
+        dtype_bytes=2 if t.dtype == "bf16" else 4, zero_stage=recipe.optimizer.zero_stage,
+        shape=shape, rows=counts)
+
+
+def expected_rows(vocab: int, dp: int, microbatches: int, per_microbatch: int,
+                  exponent: float, override: dict) -> RowCounts:
+    """Distinct rows per rank, per micro-batch and over DP from the Zipf model; `override`
+    replaces any of `rank_rows`, `union_rows`, `microbatch_rows` (measured counts)."""
+    rank_tokens = microbatches * per_microbatch
+    rank = override.get("rank_rows") or row_model.expected_distinct(rank_tokens, vocab, exponent)
+    union = override.get("union_rows") or row_model.expected_distinct(rank_tokens * dp, vocab,
+                                                                      exponent)
+    mb = override.get("microbatch_rows") or microbatches * row_model.expected_distinct(
+        per_microbatch, vocab, exponent)
+    return RowCounts(rank_rows=round(rank), union_rows=round(union),
+                     owned_rows=round(union / dp), microbatch_rows=round(mb),
+                     longest_rank_rows=round(rank))
+
+
+# -- components ---------------------------------------------------------------------------
+
+
+@dataclass
+class Component:
+    name: str
+    resource: str  # gpu | net | d2h | h2d | cpu | mem (the accelerator's memory)
+    amount: float
+    unit: str  # FLOP | B | elem
+    seconds: float
+    phase: str  # compute | backbone | tables | staging
+
+
+@dataclass
+class Plan:
+    option: Option | None  # None: the dense baseline
+    components: list[Component]
+    step_s: float
+    exposed_tables_s: float
+    mfu: float
+    fits: bool = True
+    why_not: str = ""
+    counters: dict = field(default_factory=dict)
+
+    def seconds(self, phase: str) -> float:
+        return sum(c.seconds for c in self.components if c.phase == phase)
+
+
+def _ring_seconds(bytes_: float, ranks: int, factor: float, hw: Hardware,
+                  ranks_per_node: int) -> float:
+    """factor x bytes x (n-1)/n over the ring's bus bandwidth (all-reduce: factor 2)."""
+    if ranks <= 1 or bytes_ == 0:
+        return 0.0
+    return factor * bytes_ * (ranks - 1) / ranks / hw.ring_busbw(ranks, ranks_per_node)
+
+
+def compute_components(w: Workload, cluster: Cluster, hw: Hardware) -> list[Component]:
+    rpn = min(cluster.gpus_per_node, w.dp * w.tp)
+    out = [Component("forward/backward", "gpu", w.flops, "FLOP",
+                     w.flops / hw.compute_rate(rpn), "compute")]
+    if w.shape.tables:
+        # lookup writes the rows, backward writes their sparse grads, coalescing reads and
+        # writes them again: four passes over tokens x width per table
+        b = 4 * w.tokens * w.shape.width * w.shape.tables * w.dtype_bytes
+        out.append(Component("table rows in fwd/bwd (memory)", "mem", b, "B",
+                             b / hw.node_share(hw.memory_bw, rpn) if hw.device_is_host
+                             else b / hw.memory_bw, "compute"))
+    return out
+
+
+def backbone_components(w: Workload, cluster: Cluster, hw: Hardware) -> list[Component]:
+    """ZeRO-1: one reduce-scatter of the bf16 grads at the accumulation boundary; ZeRO-2:
+    one per micro-batch (DeepSpeed reduces each backward's grads into the partitions);
+    then the partition's Adam and the all-gather of updated params (overlap_comm off)."""
+    p, dp = w.backbone_params, w.dp
+    rpn = min(cluster.gpus_per_node, dp)
+    grads = p * w.dtype_bytes
+    reductions = 1 if w.zero_stage == 1 else w.microbatches
+    out = [Component(f"backbone grad reduce-scatter (ZeRO-{w.zero_stage})", "net",
+                     grads * reductions, "B",
+                     reductions * _ring_seconds(grads, dp, 1, hw, rpn), "backbone")]
+    elems = p / dp
+    if hw.device_is_host:
+        opt_s = elems / (hw.torch_adam_rate * hw.threads_per_rank(rpn))
+    else:
+        opt_s = elems * (hw.adam_bytes_per_element + w.dtype_bytes) / hw.memory_bw
+    out.append(Component("backbone Adam (partition)", "mem", elems, "elem", opt_s, "backbone"))
+    out.append(Component("backbone param all-gather", "net", grads, "B",
+                         _ring_seconds(grads, dp, 1, hw, rpn), "backbone"))
+    return out
+
+
+def table_components(w: Workload, option: Option, cluster: Cluster,
+                     hw: Hardware) -> tuple[list[Component], Layout]:
+    """The table path's stages for all tables, in the order the code runs them."""
+    lay = w.layout(option, cluster, hw)
+    s, c = w.shape, w.rows
+    gpn = min(cluster.gpus_per_node, w.dp)
+    rpn = gpn
+    out: list[Component] = []
+
+    def add(name, resource, amount, unit, seconds):
+        if amount:
+            out.append(Component(name, resource, amount, unit, seconds, "tables"))
+
+    ids = traffic.id_exchange_bytes(s, lay, c)
+    add("row ids exchange", "net", ids, "B", _ring_seconds(ids, w.dp, 1, hw, gpn))
+    b = traffic.grad_allreduce_bytes(s, lay, c)
+    add("grad all-reduce of the union (fp32)", "net", b, "B", _ring_seconds(b, w.dp, 2, hw, gpn))
+    b = traffic.grad_reduce_bytes(s, lay, c)
+    add("grad reduce to owners in node (fp32)", "net", b, "B",
+        _ring_seconds(b, lay.ranks_per_copy, 1, hw, lay.ranks_per_copy))
+    b = traffic.cross_copy_allreduce_bytes(s, lay, c)
+    add("owned grads all-reduce across nodes (fp32)", "net", b, "B",
+        _ring_seconds(b, lay.copies, 2, hw, 1))
+    b = traffic.grads_to_owners_bytes(s, lay, c)
+    add("grads to owners (all-to-all)", "net", b, "B",
+        hw.alltoall_seconds(b, w.dp, cluster.gpus_per_node))
+    pinned = lay.partition == "sharded"
+    kind = "pinned" if pinned else "pageable"
+    b = traffic.grad_d2h_bytes(s, lay, c)
+    add(f"D2H grads ({kind})", "d2h", b, "B", b / hw.copy_bw(pinned, rpn))
+    elems = traffic.cpu_adam_elements(s, lay, c)
+    add("CPU Adam", "cpu", elems, "elem", hw.cpu_adam_seconds(elems, rpn))
+    if elems and lay.update == "lazy":
+        # index_select of master and moments into contiguous buffers, index_copy back
+        b = elems * 3 * traffic.FP32 * 2
+        add("lazy row gather/scatter (CPU)", "cpu", b, "B", b / hw.node_share(hw.gather_bw, rpn))
+    g = traffic.gpu_adam_elements(s, lay, c)
+    add("GPU Adam (owned rows)", "mem", g, "elem",
+        g * hw.adam_bytes_per_element / hw.memory_bw)
+    h2d = traffic.writeback_h2d_bytes(s, lay, c)
+    if h2d and lay.placement == "device" and not (lay.partition == "replicated"
+                                                   and lay.update == "dense"):
+        elems = h2d / lay.param_bytes
+        b = elems * (traffic.FP32 + lay.param_bytes)
+        add("cast updated rows on CPU", "cpu", b, "B", b / hw.node_share(hw.dram_bw, rpn))
+    add(f"H2D updated rows ({kind})", "h2d", h2d, "B", h2d / hw.copy_bw(pinned, rpn))
+    ag = traffic.allgather_bytes(s, lay, c)
+    if lay.placement == "device":
+        add("all-gather updated rows", "net", ag, "B", _ring_seconds(ag, w.dp, 1, hw, gpn))
+    else:
+        add("all-gather updated rows across nodes (fp32)", "net", ag, "B",
+            _ring_seconds(ag, lay.copies, 1, hw, 1))
+    b = traffic.peer_rows_d2h_bytes(s, lay, c)
+    add("D2H rows from other nodes (pinned)", "d2h", b, "B", b / hw.copy_bw(True, rpn))
+    return out, lay
+
+
+def staging_components(w: Workload, lay: Layout, cluster: Cluster,
+                       hw: Hardware) -> list[Component]:
+    """Host placement: each micro-batch's rows gathered from the host copy, copied to the
+    device (pinned staging buffers)."""
+    if lay.placement != "host":
+        return []
+    rpn = min(cluster.gpus_per_node, w.dp)
+    b = traffic.staging_h2d_bytes(w.shape, lay, w.rows)
+    out = [Component("stage rows: gather from host copy", "cpu", b, "B",
+                     b / hw.node_share(hw.gather_bw, rpn), "staging")]
+    if not hw.device_is_host:
+        out.append(Component("stage rows: H2D (pinned)", "h2d", b, "B",
+                             b / hw.copy_bw(True, rpn), "staging"))
+    return out
+
+
+# -- the timeline -------------------------------------------------------------------------
+
+
+def _earliest_gap(busy: list[tuple[float, float]], start: float, length: float) -> float:
+    """The earliest time >= start at which `length` fits between busy intervals."""
+    for lo, hi in busy:  # sorted
+        if start + length <= lo:
+            break
+        start = max(start, hi)
+    return start
+
+
+def _flow_shop(jobs: list[tuple[float, list[Component]]], chunks: int,
+               blocked: dict[str, tuple[float, float]]) -> float:
+    """When the last job is done: jobs (ready time, stages), each in `chunks` pieces; a
+    piece's stage starts when its previous stage is done and its resource has a free gap
+    that long (resources: the network, each copy direction, the CPU, the device memory;
+    `blocked` reserves a resource for a while, e.g. the network for the backbone)."""
+    busy: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for res, window in blocked.items():
+        busy[res].append(window)
+    end = 0.0
+    for ready, stages in jobs:
+        for _ in range(chunks):
+            t = ready
+            for st in stages:
+                d = st.seconds / chunks
+                start = _earliest_gap(busy[st.resource], t, d)
+                busy[st.resource].append((start, start + d))
+                busy[st.resource].sort()
+                t = start + d
+            end = max(end, t)
+    return end
+
+
+def _layer_share_below(w: Workload, layer: int) -> float:
+    """Share of one micro-batch's backward still to run once `layer`'s grads are final."""
+    return (1 - w.head_share) * layer / w.num_layers
+
+
+def exposed_table_seconds(w: Workload, option: Option, tables: list[Component],
+                          compute_s: float, backbone: list[Component]) -> float:
+    serial = sum(c.seconds for c in tables)
+    if option.overlap == "none" or not tables:
+        return serial
+    per_table = [replace(c, seconds=c.seconds / w.shape.tables) for c in tables]
+    bb_net = sum(c.seconds for c in backbone if c.resource == "net")
+    bb_s = sum(c.seconds for c in backbone)
+    if option.overlap == "delayed":
+        jobs = [(0.0, per_table)] * w.shape.tables
+        finish = _flow_shop(jobs, CHUNKS_PER_TABLE, {"net": (compute_s, compute_s + bb_net)})
+        return max(0.0, finish - (compute_s + bb_s))
+    backward_mb = compute_s / w.microbatches * 2 / 3
+    jobs = [(compute_s - backward_mb * _layer_share_below(w, layer), per_table)
+            for layer in sorted(w.stem_layers, reverse=True)]
+    finish = _flow_shop(jobs, CHUNKS_PER_TABLE, {"net": (compute_s, compute_s + bb_net)})
+    window = compute_s + bb_s
+    if option.placement == "device":  # the next forward runs until its first STEM layer
+        forward_mb = compute_s / w.microbatches / 3
+        window += forward_mb * (1 - w.head_share) * min(w.stem_layers) / w.num_layers
+    return max(0.0, finish - window)
+
+
+def exposed_staging_seconds(w: Workload, staging: list[Component], compute_s: float) -> float:
+    """The first micro-batch's staging waits; later ones hide behind a micro-batch's
+    compute, one micro-batch ahead."""
+    if not staging:
+        return 0.0
+    per_mb = sum(c.seconds for c in staging) / w.microbatches
+    return per_mb + (w.microbatches - 1) * max(0.0, per_mb - compute_s / w.microbatches)
+
+
+def memory_check(w: Workload, lay: Layout | None, hw: Hardware, cluster: Cluster,
+                 host_memory_bytes: float) -> str:
+    """Why this layout does not fit (device or host memory), or ''."""
+    device = w.backbone_params * (2 * w.dtype_bytes + BACKBONE_OPTIMIZER_BYTES_PER_PARAM / w.dp)
+    device += w.activation_bytes
+    if lay is not None:
+        device += traffic.gpu_state_bytes(w.shape, lay)
+    if not hw.device_is_host and device > hw.memory_bytes:
+        return f"device memory {device / 1e9:.0f} GB > {hw.memory_bytes / 1e9:.0f} GB"
+    if lay is not None and host_memory_bytes:
+        rpn = min(cluster.gpus_per_node, w.dp)
+        host = traffic.cpu_state_bytes(w.shape, lay) * rpn
+        if hw.device_is_host:
+            host += device * rpn
+        if host > host_memory_bytes:
+            return f"host memory {host / 1e9:.0f} GB per node > {host_memory_bytes / 1e9:.0f} GB"
+    return ""
+
+
+def plan(w: Workload, option: Option | None, cluster: Cluster, hw: Hardware,
+         host_memory_bytes: float = 0.0) -> Plan:
+    """The predicted step of workload `w` (a STEM recipe trained per `option`, or a dense
+    one when `option` is None)."""
+    comp = compute_components(w, cluster, hw)
+    backbone = backbone_components(w, cluster, hw)
+    compute_s = sum(c.seconds for c in comp)
+    components = comp + backbone
+    exposed = 0.0
+    lay = None
+    if option is not None and w.shape.tables:
+        tables, lay = table_components(w, option, cluster, hw)
+        staging = staging_components(w, lay, cluster, hw)
+        components += tables + staging
+        exposed = exposed_table_seconds(w, option, tables, compute_s, backbone) + \
+            exposed_staging_seconds(w, staging, compute_s)
+    step = compute_s + sum(c.seconds for c in backbone) + exposed
+    why = memory_check(w, lay, hw, cluster, host_memory_bytes)
+    counters = traffic.counters(w.shape, lay, w.rows) if lay is not None else {}
+    return Plan(option, components, step, exposed, w.flops / (step * hw.peak_flops),
+                fits=not why, why_not=why, counters=counters)
+
+
+def rank(w: Workload, cluster: Cluster, hw: Hardware,
+         host_memory_bytes: float = 0.0) -> list[Plan]:
+    """Every option's plan, fastest first (the ones that do not fit last)."""
+    plans = [plan(w, o, cluster, hw, host_memory_bytes) for o in all_options()]
+    return sorted(plans, key=lambda p: (not p.fits, p.step_s))
+
+
+def best(plans: list[Plan], states: str = "cpu") -> Plan:
+    """The fastest exact option that fits; `states="cpu"`: with the tables' optimizer
+    states in CPU memory (the design's constraint), `"any"`: GPU states may compete."""
+    ok = [p for p in plans if p.fits and p.option.exact
+          and (states == "any" or p.option.optimizer == "cpu")]
+    if not ok:
+        raise UserError("no exact table option fits this hardware's memory")
+    return ok[0]
