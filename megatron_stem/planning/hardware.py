@@ -124,9 +124,12 @@ class Hardware:
     def cpu_adam_seconds(self, elements_per_rank: float, ranks_per_node: int,
                          kernel: str = "deepspeed") -> float:
         """Every rank of a node runs its CPU Adam at once: the cores and the DRAM
-        bandwidth are shared (28 B of DRAM traffic per element)."""
+        bandwidth are shared (28 B of DRAM traffic per element). The CPU profile's rate
+        was measured on DRAM-sized tensors: it already holds the memory's limit."""
         per_core = self.torch_adam_rate if kernel == "torch" else self.cpu_adam_rate
         compute = elements_per_rank / (per_core * self.threads_per_rank(ranks_per_node))
+        if self.device_is_host:
+            return compute
         memory = elements_per_rank * self.adam_bytes_per_element / self.node_share(
             self.dram_bw, ranks_per_node)
         return max(compute, memory)

@@ -133,6 +133,7 @@ class Workload:
     activation_bytes: float
     dtype_bytes: int
     zero_stage: int
+    kernel: str  # the tables' CPU Adam: "deepspeed" | "torch"
     shape: TableShape
     rows: RowCounts
 
@@ -184,7 +185,7 @@ def workload(recipe: Recipe, cluster: Cluster, exponent: float = row_model.ZIPF_
         num_layers=m.num_layers, stem_layers=tuple(stem),
         backbone_params=account(m).active_params // tp, activation_bytes=activations,
         dtype_bytes=2 if t.dtype == "bf16" else 4, zero_stage=recipe.optimizer.zero_stage,
-        shape=shape, rows=counts)
+        kernel=recipe.tables.kernel, shape=shape, rows=counts)
 
 
 def expected_rows(vocab: int, dp: int, microbatches: int, per_microbatch: int,
@@ -200,6 +201,12 @@ def expected_rows(vocab: int, dp: int, microbatches: int, per_microbatch: int,
     return RowCounts(rank_rows=round(rank), union_rows=round(union),
                      owned_rows=round(union / dp), microbatch_rows=round(mb),
                      longest_rank_rows=round(rank))
+
+
+def rows_for(counts: RowCounts, lay: Layout) -> RowCounts:
+    """The counts with this layout's share of the union (a balanced split of the rows
+    over the ranks that share the tables' optimizer)."""
+    return replace(counts, owned_rows=round(counts.union_rows / lay.sharers))
 
 
 # -- components ---------------------------------------------------------------------------
@@ -278,7 +285,7 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
                      hw: Hardware) -> tuple[list[Component], Layout]:
     """The table path's stages for all tables, in the order the code runs them."""
     lay = w.layout(option, cluster, hw)
-    s, c = w.shape, w.rows
+    s, c = w.shape, rows_for(w.rows, lay)
     gpn = min(cluster.gpus_per_node, w.dp)
     rpn = gpn
     out: list[Component] = []
@@ -305,7 +312,7 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
     b = traffic.grad_d2h_bytes(s, lay, c)
     add(f"D2H grads ({kind})", "d2h", b, "B", b / hw.copy_bw(pinned, rpn))
     elems = traffic.cpu_adam_elements(s, lay, c)
-    add("CPU Adam", "cpu", elems, "elem", hw.cpu_adam_seconds(elems, rpn))
+    add("CPU Adam", "cpu", elems, "elem", hw.cpu_adam_seconds(elems, rpn, w.kernel))
     if elems and lay.update == "lazy":
         # index_select of master and moments into contiguous buffers, index_copy back
         b = elems * 3 * traffic.FP32 * 2
@@ -338,7 +345,7 @@ def staging_components(w: Workload, lay: Layout, cluster: Cluster,
     if lay.placement != "host":
         return []
     rpn = min(cluster.gpus_per_node, w.dp)
-    b = traffic.staging_h2d_bytes(w.shape, lay, w.rows)
+    b = traffic.staging_h2d_bytes(w.shape, lay, rows_for(w.rows, lay))
     out = [Component("stage rows: gather from host copy", "cpu", b, "B",
                      b / hw.node_share(hw.gather_bw, rpn), "staging")]
     if not hw.device_is_host:
@@ -456,7 +463,7 @@ def plan(w: Workload, option: Option | None, cluster: Cluster, hw: Hardware,
             exposed_staging_seconds(w, staging, compute_s)
     step = compute_s + sum(c.seconds for c in backbone) + exposed
     why = memory_check(w, lay, hw, cluster, host_memory_bytes)
-    counters = traffic.counters(w.shape, lay, w.rows) if lay is not None else {}
+    counters = traffic.counters(w.shape, lay, rows_for(w.rows, lay)) if lay is not None else {}
     return Plan(option, components, step, exposed, w.flops / (step * hw.peak_flops),
                 fits=not why, why_not=why, counters=counters)
 

@@ -79,7 +79,7 @@ class RowCounts:
 
     rank_rows: int  # distinct ids of this rank's micro-batches
     union_rows: int  # distinct ids of all DP ranks (the rows `lazy` updates)
-    owned_rows: int  # of the union, the rows this rank updates
+    owned_rows: int  # of the union, the rows in this rank's part (sharers > 1)
     microbatch_rows: int  # distinct ids summed over this rank's micro-batches (staging)
     longest_rank_rows: int = 0  # max rank_rows over DP (the padded id all-gather)
 
@@ -93,9 +93,16 @@ def owned_range_rows(shape: TableShape, layout: Layout) -> int:
     return -(-shape.rows // layout.sharers)
 
 
+def owned_touched_rows(layout: Layout, counts: RowCounts) -> int:
+    """Touched rows this rank updates: all of the union when it updates every row."""
+    return counts.union_rows if layout.sharers == 1 else counts.owned_rows
+
+
 def updated_rows(shape: TableShape, layout: Layout, counts: RowCounts) -> int:
     """Rows this rank's optimizer updates: its whole range (`dense`) or its touched rows."""
-    return owned_range_rows(shape, layout) if layout.update == "dense" else counts.owned_rows
+    if layout.update == "dense":
+        return owned_range_rows(shape, layout)
+    return owned_touched_rows(layout, counts)
 
 
 # -- the counters -------------------------------------------------------------------------
@@ -133,7 +140,7 @@ def cross_copy_allreduce_bytes(shape: TableShape, layout: Layout, counts: RowCou
     """Replicated host: each owner's rows all-reduced with the same owner on other nodes."""
     if layout.partition != "replicated" or layout.placement != "host" or layout.copies == 1:
         return 0
-    return rows_bytes(counts.owned_rows, shape, FP32)
+    return rows_bytes(owned_touched_rows(layout, counts), shape, FP32)
 
 
 def grads_to_owners_bytes(shape: TableShape, layout: Layout, counts: RowCounts) -> float:
@@ -171,8 +178,7 @@ def grad_d2h_bytes(shape: TableShape, layout: Layout, counts: RowCounts) -> floa
     rank updates every row); otherwise the touched rows this rank updates."""
     if layout.device_is_host or layout.optimizer == "gpu":
         return 0
-    rows = counts.union_rows if layout.sharers == 1 else counts.owned_rows
-    return rows_bytes(rows, shape, FP32)
+    return rows_bytes(owned_touched_rows(layout, counts), shape, FP32)
 
 
 def peer_rows_d2h_bytes(shape: TableShape, layout: Layout, counts: RowCounts) -> float:
