@@ -17,6 +17,7 @@ may too: the fastest of the measured steps is compared (noise only ever slows a 
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -36,36 +37,56 @@ CORPUS = ROOT / "data_corpus" / "gcide.jsonl.gz"
 # -- worker (one torchrun rank) -----------------------------------------------------------
 
 
-def _recipe(variant: str, dp: int, microbatches: int):
-    from megatron_stem.config import ModelConfig, Recipe, TableOptimConfig, TrainConfig
-    from megatron_stem.planning.calibrate import CALIBRATION_MODEL, MICRO_BATCH
+def _preset(name: str) -> tuple[dict, int, str]:
+    """(model shape, micro-batch size, dtype): `cpu` the calibration shape; `gpu-1b` the 1B
+    layer shapes cut to 4 layers (one H200); `tiny` a dry run of the GPU script on a CPU."""
+    from megatron_stem.planning import calibrate
 
-    placement, update, *partition = variant.split("/")
-    tables = TableOptimConfig(update=update, placement=placement)
+    return {"cpu": (calibrate.CALIBRATION_MODEL, calibrate.MICRO_BATCH, "fp32"),
+            "gpu-1b": (calibrate.GPU_MODEL_1B, 4, "bf16"),
+            "tiny": (calibrate.TINY_MODEL, 2, "fp32")}[name]
+
+
+def _recipe(variant: str, dp: int, microbatches: int, preset: str, kernel: str = "deepspeed"):
+    """`variant`: "dense" (the baseline) or placement/update[/partition]."""
+    from megatron_stem.config import ModelConfig, Recipe, TableOptimConfig, TrainConfig
+
+    shape, micro, dtype = _preset(preset)
+    placement, update, *partition = variant.split("/") if variant != "dense" \
+        else ("device", "dense")
+    tables = TableOptimConfig(update=update, placement=placement, kernel=kernel)
     if partition:
         if not hasattr(tables, "partition"):
             raise SystemExit(f"{variant}: this checkout has no tables.partition")
         tables.partition = partition[0]
-    return Recipe(model=ModelConfig(**CALIBRATION_MODEL, stem_layers="1/2"), tables=tables,
-                  train=TrainConfig(micro_batch_size=MICRO_BATCH, dtype="fp32",
-                                    global_batch_size=MICRO_BATCH * microbatches * dp))
+    stem = "none" if variant == "dense" else "1/2"
+    return Recipe(model=ModelConfig(**shape, stem_layers=stem), tables=tables,
+                  train=TrainConfig(micro_batch_size=micro, dtype=dtype,
+                                    global_batch_size=micro * microbatches * dp))
 
 
-def _microbatches(ids: np.ndarray, steps: int, per_step: int, seq: int, rank: int, seed=0):
-    """Each rank's micro-batches of random text windows, step by step."""
-    from megatron_stem.planning.calibrate import MICRO_BATCH
+def _microbatches(ids: np.ndarray, steps: int, per_step: int, micro: int, seq: int,
+                  rank: int, seed=0):
+    """Each rank's micro-batches of random text windows, step by step, on its device."""
+    from megatron_stem.parallel import device
 
     rng = np.random.default_rng(seed + 1000 * rank)
     out = []
     for _ in range(steps):
         mbs = []
         for _ in range(per_step):
-            starts = rng.integers(0, ids.size - seq - 1, MICRO_BATCH)
-            w = torch.from_numpy(np.stack([ids[s:s + seq + 1] for s in starts]))
+            starts = rng.integers(0, ids.size - seq - 1, micro)
+            w = torch.from_numpy(np.stack([ids[s:s + seq + 1] for s in starts])).to(device())
             mbs.append({"tokens": w[:, :-1].contiguous(), "labels": w[:, 1:].contiguous(),
-                        "loss_mask": torch.ones(MICRO_BATCH, seq)})
+                        "loss_mask": torch.ones(micro, seq, device=w.device)})
         out.append(mbs)
     return out
+
+
+def _now() -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def timed_step(engine, tables, norms, mbs) -> dict:
@@ -74,24 +95,24 @@ def timed_step(engine, tables, norms, mbs) -> dict:
     from megatron_stem.training.engine import clip_coefficient
 
     t = dict(compute=0.0, sync=0.0, backbone=0.0)
-    start = time.perf_counter()
+    start = _now()
     tables.stage(mbs)
     for mb in mbs:
-        a = time.perf_counter()
+        a = _now()
         engine.backward(_token_mean_loss(engine, mb))
-        b = time.perf_counter()
+        b = _now()
         t["compute"] += b - a
         if engine.is_gradient_accumulation_boundary():
             tables.sync_grads()
-            c = time.perf_counter()
+            c = _now()
             t["sync"] += c - b
             b = c
         engine.step()
-        t["backbone"] += time.perf_counter() - b
-    a = time.perf_counter()
+        t["backbone"] += _now() - b
+    a = _now()
     tables.step(1e-3, clip_coefficient(norms, 1.0))
-    t["table_step"] = time.perf_counter() - a
-    t["step"] = time.perf_counter() - start
+    t["table_step"] = _now() - a
+    t["step"] = _now() - start
     return t
 
 
@@ -104,13 +125,13 @@ def worker(args) -> None:
 
     ids = np.load(args.ids)
     results = {}
-    recipe0 = _recipe(args.variants.split(",")[0], 1, args.microbatches)
+    recipe0 = _recipe("dense", 1, args.microbatches, args.preset)
     init_distributed(recipe0.parallel)
     rank, dp = dist.get_rank(), dist.get_world_size()
     steps = _microbatches(ids, args.steps + 1, args.microbatches,
-                          recipe0.model.seq_length, rank)
+                          recipe0.train.micro_batch_size, recipe0.model.seq_length, rank)
     for variant in args.variants.split(","):
-        recipe = _recipe(variant, dp, args.microbatches)
+        recipe = _recipe(variant, dp, args.microbatches, args.preset, args.kernel)
         torch.manual_seed(0)
         engine, tables, norms = build_engine(build_model(
             recipe.model, recipe.parallel, tables=recipe.tables), recipe)
@@ -129,7 +150,10 @@ def worker(args) -> None:
                                                           for x in tokens),
                          "union_rows": tables.touched_rows})
         tables.close()
-        del engine, tables
+        del engine, tables, norms
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         # the fastest step, per part; row counts averaged over steps and ranks
         best = min(times, key=lambda t: t["step"])
         mean_rows = {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
@@ -163,14 +187,15 @@ def text_ids(tmp: Path) -> Path:
     return path
 
 
-def predict(variant: str, dp: int, microbatches: int, hw, rows: dict | None):
+def predict(variant: str, dp: int, args, hw, rows: dict | None):
     """The planner's parts for one variant: compute, sync, backbone, table step, staging."""
     from megatron_stem.planning import step
 
-    recipe = _recipe(variant, dp, microbatches)
+    recipe = _recipe(variant, dp, args.microbatches, args.preset, args.kernel)
     cluster = step.Cluster(1, dp)
     w = step.workload(recipe, cluster, rows_override=rows)
-    p = step.plan(w, step.configured_option(recipe), cluster, hw)
+    p = step.plan(w, None if variant == "dense" else step.configured_option(recipe),
+                  cluster, hw)
     sync_names = ("row ids", "grad", "owned grads", "grads to owners", "D2H grads")
     parts = {"compute": p.seconds("compute"), "backbone": p.seconds("backbone"),
              "sync": sum(c.seconds for c in p.components
@@ -179,7 +204,7 @@ def predict(variant: str, dp: int, microbatches: int, hw, rows: dict | None):
                  w, [c for c in p.components if c.phase == "staging"], p.seconds("compute"))}
     parts["table_step"] = p.seconds("tables") - parts["sync"]
     parts["step"] = p.step_s
-    parts["comm_bytes"] = p.counters["tables/comm_bytes"]
+    parts["comm_bytes"] = p.counters.get("tables/comm_bytes", 0)
     return parts, w.rows
 
 
@@ -193,6 +218,12 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=2, help="per rank per step")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--calibrate", action="store_true", help="re-measure the cpu profile")
+    ap.add_argument("--preset", default="cpu", choices=["cpu", "gpu-1b", "tiny"],
+                    help="model shape: cpu (the calibration shape), gpu-1b, tiny (dry run)")
+    ap.add_argument("--kernel", default="deepspeed", choices=["deepspeed", "torch"],
+                    help="the tables' CPU Adam")
+    ap.add_argument("--hardware", default="cpu", help="the planner's profile to predict with")
+    ap.add_argument("--profile", help="a profile JSON to predict with (bench/gpu/run_all.sh)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -202,28 +233,31 @@ def main() -> None:
         return
     from megatron_stem.planning import hardware
 
-    hw = hardware.load("cpu", calibrate=args.calibrate)
-    print(f"cpu profile: {hw.peak_flops / 1e9:.1f} GFLOP/s per core, CPU Adam "
-          f"{hw.cpu_adam_rate / 1e9:.2f} G elem/s per core, gloo all-reduce busbw "
-          f"{hw.gloo_allreduce_busbw / 1e9:.2f} GB/s, {hw.cores} cores; load average "
+    hw = hardware.read(args.profile) if args.profile else \
+        hardware.load(args.hardware, calibrate=args.calibrate)
+    print(f"{hw.name} profile: {hw.peak_flops * hw.mfu / 1e9:.1f} GFLOP/s per rank, CPU Adam "
+          f"{hw.cpu_adam_rate / 1e9:.2f} G elem/s per core, {hw.cores} cores; load average "
           f"{os.getloadavg()[0]:.1f} at start")
     worst = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         ids = text_ids(Path(tmp))
         for dp in map(int, args.dp.split(",")):
             out = Path(tmp) / f"dp{dp}.json"
+            # each rank its share of the cores (one thread each on this machine)
+            threads = max(1, len(os.sched_getaffinity(0)) // dp)
             env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}" + os.environ.get(
-                "PYTHONPATH", ""), OMP_NUM_THREADS="1")
+                "PYTHONPATH", ""), OMP_NUM_THREADS=str(threads))
             subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                             f"--nproc_per_node={dp}", __file__, "--worker", "--ids", str(ids),
                             "--out", str(out), "--variants", args.variants, "--steps",
-                            str(args.steps), "--microbatches", str(args.microbatches)],
+                            str(args.steps), "--microbatches", str(args.microbatches),
+                            "--preset", args.preset, "--kernel", args.kernel],
                            check=True, env=env, stdout=subprocess.DEVNULL)
             measured = json.loads(out.read_text())
             for variant, m in measured.items():
-                zipf, modelled = predict(variant, dp, args.microbatches, hw, None)
+                zipf, modelled = predict(variant, dp, args, hw, None)
                 seen = {k: round(v) for k, v in m["rows"].items()}
-                with_rows, _ = predict(variant, dp, args.microbatches, hw, seen)
+                with_rows, _ = predict(variant, dp, args, hw, seen)
                 print(f"\nDP{dp} {variant}: rows per step rank {seen['rank_rows']} (Zipf "
                       f"{modelled.rank_rows}), union {seen['union_rows']} (Zipf "
                       f"{modelled.union_rows}), staged {seen['microbatch_rows']} (Zipf "

@@ -29,6 +29,7 @@ def parse_args(argv=None):
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--hardware", default="h200", help=f"one of {', '.join(hardware.NAMES)}")
     ap.add_argument("--calibrate", action="store_true", help="re-measure the cpu profile")
+    ap.add_argument("--profile", help="a profile JSON to use instead (calibrate.py --out)")
     ap.add_argument("--choose", default="recipe")
     ap.add_argument("--zipf", type=float, default=rows.ZIPF_EXPONENT,
                     help="exponent of the distinct-ids model")
@@ -57,7 +58,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise UserError("--nodes and --gpus-per-node must be >= 1")
-    hw = hardware.load(args.hardware, calibrate=args.calibrate)
+    hw = hardware.read(args.profile) if args.profile else \
+        hardware.load(args.hardware, calibrate=args.calibrate)
     stem_recipe = load_recipe(args.recipe, args.overrides)
     dense_recipe = load_recipe(args.baseline)
     if not stem_recipe.model.is_stem:

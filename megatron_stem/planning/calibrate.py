@@ -8,16 +8,20 @@ bandwidth and all-to-all bandwidth on two ranks. Each figure is the best of a fe
 (other jobs on the machine only ever slow a run down).
 
     python -m megatron_stem.planning.calibrate   # prints the profile, caches it
+    python -m megatron_stem.planning.calibrate --gpu h200 --out h200.json  # on a GPU node
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -67,29 +71,55 @@ def copy_rates(rows: int = 65536, width: int = 1024, picked: int = 32768) -> tup
     return gather, memcpy
 
 
-def compute_rate(steps: int = 3) -> float:
-    """Forward/backward FLOP/s of the dense calibration model, one thread, world of one
-    (FLOPs counted as the trainer counts them)."""
+def compute_rate(model_kwargs: dict | None = None, micro_batch: int = MICRO_BATCH,
+                 dtype: str = "fp32", steps: int = 3) -> float:
+    """Forward/backward FLOP/s of a dense model (default: the calibration shape) on this
+    process's device, world of one (FLOPs counted as the trainer counts them)."""
     from megatron_stem.config import ParallelConfig, Recipe
     from megatron_stem.model import build_model
-    from megatron_stem.parallel import destroy_distributed, init_distributed
+    from megatron_stem.parallel import destroy_distributed, device, init_distributed
     from megatron_stem.planning.step import training_flops_per_token
 
-    model = ModelConfig(**CALIBRATION_MODEL)
+    model = ModelConfig(**(model_kwargs or CALIBRATION_MODEL))
     init_distributed(ParallelConfig())
     try:
-        net = build_model(model, ParallelConfig())
+        net = build_model(model, ParallelConfig(), params_dtype=_DTYPES[dtype])
         g = torch.Generator().manual_seed(0)
-        seq = torch.randint(0, model.vocab_size, (MICRO_BATCH, model.seq_length + 1), generator=g)
+        seq = torch.randint(0, model.vocab_size, (micro_batch, model.seq_length + 1),
+                            generator=g).to(device())
 
         def fwd_bwd():
             loss = net(seq[:, :-1], None, None, labels=seq[:, 1:]).float().mean()
             loss.backward()
+            _synchronize()
 
         seconds = _best(fwd_bwd, steps)
     finally:
         destroy_distributed()
-    return training_flops_per_token(Recipe(model=model)) * MICRO_BATCH * model.seq_length / seconds
+    return training_flops_per_token(Recipe(model=model)) * micro_batch * model.seq_length / seconds
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def copy_link_rates(nbytes: int = 1 << 30) -> dict:
+    """Host<->device copy rates (the slower direction), pinned and pageable, and the
+    device memory's copy rate (bytes read + written), on a GPU."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = {}
+    for name, pinned in (("pinned", True), ("pageable", False)):
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        h2d = _best(lambda: (dev.copy_(host, non_blocking=pinned), _synchronize()), 3)
+        d2h = _best(lambda: (host.copy_(dev, non_blocking=pinned), _synchronize()), 3)
+        out[name] = nbytes / max(h2d, d2h)
+    other = torch.empty_like(dev)
+    out["device"] = 2 * nbytes / _best(lambda: (other.copy_(dev), _synchronize()), 5)
+    return out
 
 
 def _gloo_worker(rank: int, world: int, path: str, out: str) -> None:
@@ -140,11 +170,7 @@ def measure_cpu() -> Hardware:
         gather_n, memcpy_n = copy_rates()
     finally:
         torch.set_num_threads(threads)
-    # a fresh process: the model measurement initializes torch.distributed
-    flops = float(subprocess.run(
-        [sys.executable, "-c", "from megatron_stem.planning.calibrate import compute_rate;"
-         "import torch; torch.set_num_threads(1); print(compute_rate())"],
-        check=True, capture_output=True, text=True).stdout.split()[-1])
+    flops = _in_fresh_process("compute_rate()", threads=1)
     gloo = gloo_rates()
     return Hardware(
         name="cpu", peak_flops=flops, mfu=1.0, memory_bw=memcpy1, memory_bytes=0.0,
@@ -155,7 +181,70 @@ def measure_cpu() -> Hardware:
         gloo_alltoall_bw=gloo["alltoall_bw"])
 
 
-if __name__ == "__main__":
-    hw = measure_cpu()
-    save(hw, CACHE_DIR / "cpu.json")
+def _in_fresh_process(call: str, threads: int | None = None) -> float:
+    """A measurement that initializes torch.distributed, in a child process."""
+    code = "import torch\n"
+    if threads:
+        code += f"torch.set_num_threads({threads})\n"
+    code += f"from megatron_stem.planning.calibrate import *\nprint({call})"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True).stdout
+    return float(out.split()[-1])
+
+
+# The 1B model's layer shapes (Llama-3.2-1B) cut to a few layers: what one GPU measures.
+GPU_MODEL_1B = dict(hidden_size=2048, num_layers=4, num_attention_heads=32,
+                    num_query_groups=8, ffn_hidden_size=8192, vocab_size=128256,
+                    seq_length=2048, rotary_base=500000.0)
+# The same code path at toy sizes, for a dry run of bench/gpu/run_all.sh on a CPU.
+TINY_MODEL = dict(hidden_size=64, num_layers=4, num_attention_heads=4, num_query_groups=2,
+                  ffn_hidden_size=128, vocab_size=32000, seq_length=64, rotary_base=10000.0)
+
+
+def measure_gpu(name: str, tiny: bool = False, kernel: str = "deepspeed") -> Hardware:
+    """Refit a GPU profile's single-node constants on the GPU of this machine: achieved
+    MFU of the forward/backward at the 1B layer shapes (bf16), HBM copy rate, pinned and
+    pageable host<->device rates, and this host's CPU Adam, DRAM and gather rates. NVLink
+    and InfiniBand stay published (one GPU cannot measure them). `tiny`: the same steps
+    at toy sizes, on whatever device there is (a dry run). `kernel: torch` where
+    DeepSpeed's CPU Adam cannot be built: its rate is then the torch kernel's."""
+    from megatron_stem.planning.hardware import PUBLISHED
+
+    base = PUBLISHED[name]
+    cores = len(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    size = 1 << (20 if tiny else 25)
+    try:
+        pt = adam_rate("torch", size)
+        ds = adam_rate("deepspeed", size) if kernel == "deepspeed" else pt
+        torch.set_num_threads(cores)
+        gather, memcpy = copy_rates(*((4096, 256, 1024) if tiny else ()))
+    finally:
+        torch.set_num_threads(threads)
+    model, mbs = (TINY_MODEL, 2) if tiny else (GPU_MODEL_1B, 4)
+    flops = _in_fresh_process(f"compute_rate({model!r}, {mbs}, 'bf16')")
+    fit = dict(mfu=min(1.0, flops / base.peak_flops), cpu_adam_rate=ds, torch_adam_rate=pt,
+               cores=cores, dram_bw=2 * memcpy, gather_bw=gather)
+    if torch.cuda.is_available():
+        links = copy_link_rates(1 << (24 if tiny else 30))
+        fit.update(pinned_copy_bw=links["pinned"], pageable_copy_bw=links["pageable"],
+                   memory_bw=links["device"])
+    return dataclasses.replace(base, **fit)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Measure a hardware profile on this machine")
+    ap.add_argument("--gpu", choices=["h100", "h200"], help="refit this GPU profile")
+    ap.add_argument("--tiny", action="store_true", help="toy sizes (a dry run)")
+    ap.add_argument("--kernel", default="deepspeed", choices=["deepspeed", "torch"],
+                    help="the CPU Adam the tables will run (torch: DeepSpeed's cannot build)")
+    ap.add_argument("--out", help="where to write the profile (default: the planner's cache)")
+    args = ap.parse_args()
+    hw = measure_gpu(args.gpu, args.tiny, args.kernel) if args.gpu else measure_cpu()
+    save(hw, Path(args.out) if args.out else CACHE_DIR / f"{hw.name}.json")
     print(hw.to_json())
+
+
+if __name__ == "__main__":
+    main()
