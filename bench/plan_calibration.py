@@ -95,6 +95,7 @@ def timed_step(engine, tables, norms, mbs) -> dict:
     from megatron_stem.training.engine import clip_coefficient
 
     t = dict(compute=0.0, sync=0.0, backbone=0.0)
+    cpu = time.process_time()
     start = _now()
     tables.stage(mbs)
     for mb in mbs:
@@ -113,6 +114,7 @@ def timed_step(engine, tables, norms, mbs) -> dict:
     tables.step(1e-3, clip_coefficient(norms, 1.0))
     t["table_step"] = _now() - a
     t["step"] = _now() - start
+    t["cpu"] = time.process_time() - cpu  # all of this rank's threads
     return t
 
 
@@ -264,7 +266,8 @@ def main() -> None:
                       f"{modelled.microbatch_rows}); table comm bytes measured "
                       f"{m['parts']['comm_bytes']:,.0f}, counted {with_rows['comm_bytes']:,.0f}")
                 print(f"  {'part (s)':<14}{'measured':>10}{'predicted':>11}{'ratio':>7}"
-                      f"{'w/ rows':>9}{'ratio':>7}")
+                      f"{'w/ rows':>9}{'ratio':>7}   (step: {m['parts']['cpu']:.3f} s of "
+                      f"CPU time per rank)")
                 for part in PARTS:
                     got = m["parts"][part]
                     a, b = zipf[part], with_rows[part]

@@ -14,6 +14,7 @@ machine, measured once and cached; --calibrate re-measures). See docs/tables.md.
 """
 
 import argparse
+import dataclasses
 import sys
 
 from megatron_stem.config import load_recipe
@@ -37,6 +38,9 @@ def parse_args(argv=None):
     ap.add_argument("--union-rows", type=int, help="distinct rows over DP per step")
     ap.add_argument("--microbatch-rows", type=int,
                     help="distinct rows summed over a rank's micro-batches")
+    ap.add_argument("--owner-skew", type=float, default=1.0,
+                    help="busiest owner's received rows / mean in the grads all-to-all "
+                         "(1: rows dealt round-robin; ~3: contiguous ranges of a BPE vocab)")
     ap.add_argument("--host-memory-gb", type=float, default=None,
                     help="CPU memory per node (default: 2048 for GPU nodes, this machine's)")
     ap.add_argument("overrides", nargs="*", help="recipe overrides section.field=value")
@@ -67,7 +71,8 @@ def main(argv=None) -> int:
     cluster = step.Cluster(args.nodes, args.gpus_per_node)
     override = {"rank_rows": args.rank_rows, "union_rows": args.union_rows,
                 "microbatch_rows": args.microbatch_rows}
-    w = step.workload(stem_recipe, cluster, args.zipf, override, name=args.recipe)
+    w = dataclasses.replace(step.workload(stem_recipe, cluster, args.zipf, override,
+                                          name=args.recipe), owner_skew=args.owner_skew)
     wd = step.workload(dense_recipe, cluster, args.zipf, name=args.baseline)
     memory = _host_memory(args, hw)
     dense = step.plan(wd, None, cluster, hw, memory)

@@ -136,6 +136,10 @@ class Workload:
     kernel: str  # the tables' CPU Adam: "deepspeed" | "torch"
     shape: TableShape
     rows: RowCounts
+    # The busiest owner's received rows over the mean in the grads-to-owners all-to-all:
+    # 1 when rows are dealt to owners round-robin (row % DP); contiguous ranges of a
+    # frequency-ordered BPE vocabulary give the first owner ~3x (docs/tables.md).
+    owner_skew: float = 1.0
 
     @property
     def tokens(self) -> int:
@@ -306,7 +310,7 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
         _ring_seconds(b, lay.copies, 2, hw, 1))
     b = traffic.grads_to_owners_bytes(s, lay, c)
     add("grads to owners (all-to-all)", "net", b, "B",
-        hw.alltoall_seconds(b, w.dp, cluster.gpus_per_node))
+        hw.alltoall_seconds(b, w.dp, cluster.gpus_per_node) * w.owner_skew)
     pinned = lay.partition == "sharded"
     kind = "pinned" if pinned else "pageable"
     b = traffic.grad_d2h_bytes(s, lay, c)
@@ -470,9 +474,11 @@ def plan(w: Workload, option: Option | None, cluster: Cluster, hw: Hardware,
 
 def rank(w: Workload, cluster: Cluster, hw: Hardware,
          host_memory_bytes: float = 0.0) -> list[Plan]:
-    """Every option's plan, fastest first (the ones that do not fit last)."""
+    """Every option's plan, fastest first (the ones that do not fit last); among equally
+    fast ones (their table paths all hidden), the one whose path does less work."""
     plans = [plan(w, o, cluster, hw, host_memory_bytes) for o in all_options()]
-    return sorted(plans, key=lambda p: (not p.fits, p.step_s))
+    return sorted(plans, key=lambda p: (not p.fits, p.step_s,
+                                        p.seconds("tables") + p.seconds("staging")))
 
 
 def best(plans: list[Plan], states: str = "cpu") -> Plan:
