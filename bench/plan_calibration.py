@@ -12,11 +12,17 @@ and table optimizer. Each step is timed in parts: forward/backward of the micro-
 the tables' gradient sync, the backbone's ZeRO step, the tables' update. The planner
 (`cpu` profile, measured once and cached; --calibrate re-measures) predicts the same parts
 from the Zipf row model, and again from the row counts the run measured. Target: within
-25% for every major component. Ranks time-share this machine's cores, and other jobs
-may too: the fastest of the measured steps is compared (noise only ever slows a step).
+25% for every major component.
+
+Clocks: this machine's two cores are shared with other jobs, which inflate wall time at
+random, so on a CPU the parts are compared in each rank's CPU time (all its threads;
+`--clock wall` for an idle machine, and on GPUs, where it is the default) and the cpu
+profile's one-thread figures are CPU time too; the fastest measured step is compared
+(noise only ever slows a step), the slowest rank's.
 """
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -83,39 +89,55 @@ def _microbatches(ids: np.ndarray, steps: int, per_step: int, micro: int, seq: i
     return out
 
 
-def _now() -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter()
+class PartTimer:
+    """Times the parts of a step in wall time and in this process's CPU time (all its
+    threads): on a shared machine other jobs inflate the first, not the second."""
+
+    def __init__(self):
+        self.wall, self.cpu = {}, {}
+        self._mark = self._now()
+
+    @staticmethod
+    def _now() -> tuple[float, float]:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter(), time.process_time()
+
+    def lap(self, part: str | None) -> None:
+        """Charge the time since the last lap to `part` (None: to nothing)."""
+        now = self._now()
+        if part is not None:
+            for clock, i in ((self.wall, 0), (self.cpu, 1)):
+                clock[part] = clock.get(part, 0.0) + now[i] - self._mark[i]
+        self._mark = now
 
 
 def timed_step(engine, tables, norms, mbs) -> dict:
-    """train.train_step + TableOptimizer.step, with each part timed."""
+    """train.train_step + TableOptimizer.step, each part timed in both clocks."""
     from megatron_stem.train import _token_mean_loss
     from megatron_stem.training.engine import clip_coefficient
 
-    t = dict(compute=0.0, sync=0.0, backbone=0.0)
-    cpu = time.process_time()
-    start = _now()
+    t = PartTimer()
     tables.stage(mbs)
+    t.lap("compute")
     for mb in mbs:
-        a = _now()
         engine.backward(_token_mean_loss(engine, mb))
-        b = _now()
-        t["compute"] += b - a
+        t.lap("compute")
         if engine.is_gradient_accumulation_boundary():
             tables.sync_grads()
-            c = _now()
-            t["sync"] += c - b
-            b = c
+            t.lap("sync")
         engine.step()
-        t["backbone"] += _now() - b
-    a = _now()
+        t.lap("backbone")
     tables.step(1e-3, clip_coefficient(norms, 1.0))
-    t["table_step"] = _now() - a
-    t["step"] = _now() - start
-    t["cpu"] = time.process_time() - cpu  # all of this rank's threads
-    return t
+    t.lap("table_step")
+    for clock in (t.wall, t.cpu):
+        clock["step"] = sum(clock.values())
+    # host tables: the forwards' wait for staged rows, out of the compute's wall time (in
+    # CPU time the staging threads' work is part of the compute: not separable)
+    wait = tables.host_stats().get("prefetch_wait_ms", 0.0) / 1e3
+    t.wall["compute"] -= wait
+    t.wall["staging_wait"], t.cpu["staging_wait"] = wait, 0.0
+    return {"wall": t.wall, "cpu": t.cpu}
 
 
 def worker(args) -> None:
@@ -141,8 +163,6 @@ def worker(args) -> None:
         for i, mbs in enumerate(steps):
             dist.barrier()
             t = timed_step(engine, tables, norms, mbs)
-            host = tables.host_stats()
-            t["staging_wait"] = host.get("prefetch_wait_ms", 0.0) / 1e3
             t["comm_bytes"] = tables.last_comm_bytes
             if i:  # the first step allocates the optimizer states
                 times.append(t)
@@ -156,14 +176,18 @@ def worker(args) -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        # the fastest step, per part; row counts averaged over steps and ranks
-        best = min(times, key=lambda t: t["step"])
+        # per clock the fastest step; over ranks the slowest; rows averaged
+        best = {clock: min((t[clock] for t in times), key=lambda p: p["step"])
+                for clock in ("wall", "cpu")}
         mean_rows = {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
         gathered = [None] * dp
-        dist.all_gather_object(gathered, (best, mean_rows))
+        dist.all_gather_object(gathered, (best, mean_rows, times[-1]["comm_bytes"]))
         results[variant] = {
-            "parts": {k: max(g[0][k] for g in gathered) for k in best},
-            "rows": {k: statistics.mean(g[1][k] for g in gathered) for k in mean_rows}}
+            "parts": {clock: {k: max(g[0][clock][k] for g in gathered) for k in best[clock]}
+                      for clock in best},
+            "comm_bytes": gathered[0][2],
+            "rows": {k: statistics.mean(g[1][k] for g in gathered) for k in mean_rows}
+            | {"longest_rank_rows": max(g[1]["rank_rows"] for g in gathered)}}
     if rank == 0:
         Path(args.out).write_text(json.dumps(results))
     destroy_distributed()
@@ -224,6 +248,9 @@ def main() -> None:
                     help="model shape: cpu (the calibration shape), gpu-1b, tiny (dry run)")
     ap.add_argument("--kernel", default="deepspeed", choices=["deepspeed", "torch"],
                     help="the tables' CPU Adam")
+    ap.add_argument("--clock", choices=["cpu", "wall"],
+                    help="compare in each rank's CPU time (default on a CPU: other jobs on "
+                         "a shared machine inflate wall time) or wall time (default on GPUs)")
     ap.add_argument("--hardware", default="cpu", help="the planner's profile to predict with")
     ap.add_argument("--profile", help="a profile JSON to predict with (bench/gpu/run_all.sh)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -233,6 +260,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if args.clock is None:
+        args.clock = "wall" if torch.cuda.is_available() else "cpu"
     from megatron_stem.planning import hardware
 
     hw = hardware.read(args.profile) if args.profile else \
@@ -257,19 +286,24 @@ def main() -> None:
                            check=True, env=env, stdout=subprocess.DEVNULL)
             measured = json.loads(out.read_text())
             for variant, m in measured.items():
-                zipf, modelled = predict(variant, dp, args, hw, None)
+                # in CPU time no rank waits for a core: predict without time-sharing
+                hw_dp = hw if args.clock == "wall" else dataclasses.replace(
+                    hw, cores=max(hw.cores, dp))
+                zipf, modelled = predict(variant, dp, args, hw_dp, None)
                 seen = {k: round(v) for k, v in m["rows"].items()}
-                with_rows, _ = predict(variant, dp, args, hw, seen)
+                with_rows, _ = predict(variant, dp, args, hw_dp, seen)
+                parts = m["parts"][args.clock]
                 print(f"\nDP{dp} {variant}: rows per step rank {seen['rank_rows']} (Zipf "
                       f"{modelled.rank_rows}), union {seen['union_rows']} (Zipf "
                       f"{modelled.union_rows}), staged {seen['microbatch_rows']} (Zipf "
-                      f"{modelled.microbatch_rows}); table comm bytes measured "
-                      f"{m['parts']['comm_bytes']:,.0f}, counted {with_rows['comm_bytes']:,.0f}")
+                      f"{modelled.microbatch_rows}); table comm bytes rank 0 "
+                      f"{m['comm_bytes']:,.0f}, counters {with_rows['comm_bytes']:,.0f}")
+                other = "cpu" if args.clock == "wall" else "wall"
                 print(f"  {'part (s)':<14}{'measured':>10}{'predicted':>11}{'ratio':>7}"
-                      f"{'w/ rows':>9}{'ratio':>7}   (step: {m['parts']['cpu']:.3f} s of "
-                      f"CPU time per rank)")
+                      f"{'w/ rows':>9}{'ratio':>7}   ({args.clock} time; step in {other} "
+                      f"time {m['parts'][other]['step']:.3f} s)")
                 for part in PARTS:
-                    got = m["parts"][part]
+                    got = parts[part]
                     a, b = zipf[part], with_rows[part]
                     if got < 0.005 and a < 0.005:
                         continue  # below timer noise at this size

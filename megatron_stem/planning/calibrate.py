@@ -4,8 +4,8 @@ Per core (one thread, as each training rank runs): DeepSpeed's CPU Adam kernel a
 same update in torch ops (elements/s), a row gather and a plain copy (GB/s, also with all
 cores: the node's rate), the forward/backward FLOP/s of the calibration model (a dense
 model of the mid-size shape bench/plan_calibration.py trains), and gloo's all-reduce bus
-bandwidth and all-to-all bandwidth on two ranks. Each figure is the best of a few repeats
-(other jobs on the machine only ever slow a run down).
+bandwidth and all-to-all bandwidth on two ranks. Each figure is the best of a few repeats (other jobs on the
+machine only ever slow a run down); one-thread figures are timed in CPU time.
 
     python -m megatron_stem.planning.calibrate   # prints the profile, caches it
     python -m megatron_stem.planning.calibrate --gpu h200 --out h200.json  # on a GPU node
@@ -36,13 +36,22 @@ CALIBRATION_MODEL = dict(hidden_size=256, num_layers=8, num_attention_heads=4,
 MICRO_BATCH = 2
 
 
-def _best(fn, repeats: int = 5) -> float:
+def _clock():
+    """One-thread CPU work is timed in this process's CPU time, which other jobs on a
+    shared machine do not inflate; anything threaded, waiting or on a GPU in wall time."""
+    if torch.get_num_threads() == 1 and not torch.cuda.is_available():
+        return time.process_time
+    return time.perf_counter
+
+
+def _best(fn, repeats: int = 5, clock=None) -> float:
+    clock = clock or _clock()
     fn()  # warm-up: allocations, first-touch pages
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return min(times)
 
 
@@ -138,8 +147,8 @@ def _gloo_worker(rank: int, world: int, path: str, out: str) -> None:
             fn()
         return run
 
-    ar = _best(barrier_then(lambda: dist.all_reduce(x)), 4)
-    a2a = _best(barrier_then(lambda: dist.all_to_all(parts, sends)), 4)
+    ar = _best(barrier_then(lambda: dist.all_reduce(x)), 4, time.perf_counter)
+    a2a = _best(barrier_then(lambda: dist.all_to_all(parts, sends)), 4, time.perf_counter)
     if rank == 0:
         busbw = 2 * n * 4 * (world - 1) / world / ar
         a2a_bw = n * 4 * (world - 1) / world / a2a

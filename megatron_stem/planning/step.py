@@ -195,7 +195,8 @@ def workload(recipe: Recipe, cluster: Cluster, exponent: float = row_model.ZIPF_
 def expected_rows(vocab: int, dp: int, microbatches: int, per_microbatch: int,
                   exponent: float, override: dict) -> RowCounts:
     """Distinct rows per rank, per micro-batch and over DP from the Zipf model; `override`
-    replaces any of `rank_rows`, `union_rows`, `microbatch_rows` (measured counts)."""
+    replaces any of `rank_rows`, `union_rows`, `microbatch_rows`, `longest_rank_rows`
+    (measured counts)."""
     rank_tokens = microbatches * per_microbatch
     rank = override.get("rank_rows") or row_model.expected_distinct(rank_tokens, vocab, exponent)
     union = override.get("union_rows") or row_model.expected_distinct(rank_tokens * dp, vocab,
@@ -204,7 +205,7 @@ def expected_rows(vocab: int, dp: int, microbatches: int, per_microbatch: int,
         per_microbatch, vocab, exponent)
     return RowCounts(rank_rows=round(rank), union_rows=round(union),
                      owned_rows=round(union / dp), microbatch_rows=round(mb),
-                     longest_rank_rows=round(rank))
+                     longest_rank_rows=round(override.get("longest_rank_rows") or rank))
 
 
 def rows_for(counts: RowCounts, lay: Layout) -> RowCounts:
