@@ -4,7 +4,7 @@ Per core (one thread, as each training rank runs): DeepSpeed's CPU Adam kernel a
 same update in torch ops (elements/s), a row gather and a plain copy (GB/s, also with all
 cores: the node's rate), the forward/backward FLOP/s of the calibration model (a dense
 model of the mid-size shape bench/plan_calibration.py trains), and gloo's all-reduce bus
-bandwidth and all-to-all bandwidth on two ranks. Each figure is the best of a few repeats (other jobs on the
+bandwidth and all-to-all bandwidth and the latency of a one-element all-reduce on two ranks. Each figure is the best of a few repeats (other jobs on the
 machine only ever slow a run down); one-thread figures are timed in CPU time.
 
     python -m megatron_stem.planning.calibrate   # prints the profile, caches it
@@ -81,18 +81,21 @@ def copy_rates(rows: int = 65536, width: int = 1024, picked: int = 32768) -> tup
 
 
 def compute_rate(model_kwargs: dict | None = None, micro_batch: int = MICRO_BATCH,
-                 dtype: str = "fp32", steps: int = 3) -> float:
-    """Forward/backward FLOP/s of a dense model (default: the calibration shape) on this
-    process's device, world of one (FLOPs counted as the trainer counts them)."""
-    from megatron_stem.config import ParallelConfig, Recipe
+                 dtype: str = "fp32", steps: int = 3, stem_layers: str = "none") -> float:
+    """Forward/backward seconds of a model (default: the dense calibration shape) on this
+    process's device, world of one; STEM tables give row-sparse grads, as in training."""
+    from megatron_stem.config import ParallelConfig
     from megatron_stem.model import build_model
+    from megatron_stem.model.table import StemTable
     from megatron_stem.parallel import destroy_distributed, device, init_distributed
-    from megatron_stem.planning.step import training_flops_per_token
 
-    model = ModelConfig(**(model_kwargs or CALIBRATION_MODEL))
+    model = ModelConfig(**(model_kwargs or CALIBRATION_MODEL), stem_layers=stem_layers)
     init_distributed(ParallelConfig())
     try:
         net = build_model(model, ParallelConfig(), params_dtype=_DTYPES[dtype])
+        for m in net.modules():
+            if isinstance(m, StemTable):
+                m.sparse_grad = True
         g = torch.Generator().manual_seed(0)
         seq = torch.randint(0, model.vocab_size, (micro_batch, model.seq_length + 1),
                             generator=g).to(device())
@@ -100,12 +103,38 @@ def compute_rate(model_kwargs: dict | None = None, micro_batch: int = MICRO_BATC
         def fwd_bwd():
             loss = net(seq[:, :-1], None, None, labels=seq[:, 1:]).float().mean()
             loss.backward()
+            net.zero_grad(set_to_none=True)
             _synchronize()
 
-        seconds = _best(fwd_bwd, steps)
+        return _best(fwd_bwd, steps)
     finally:
         destroy_distributed()
-    return training_flops_per_token(Recipe(model=model)) * micro_batch * model.seq_length / seconds
+
+
+def compute_rates(model_kwargs: dict, micro_batch: int, dtype: str) -> tuple[float, float]:
+    """(FLOP/s of the dense model, bytes/s of the STEM tables' rows): the STEM model's
+    time beyond its FLOPs at the dense rate, charged to the four passes over its looked-up
+    rows that the planner counts (`table rows in fwd/bwd`)."""
+    from megatron_stem.config import Recipe
+    from megatron_stem.planning.step import training_flops_per_token
+
+    tokens = micro_batch * model_kwargs["seq_length"]
+    dense = ModelConfig(**model_kwargs)
+    stem = ModelConfig(**model_kwargs, stem_layers="1/2")
+    flops = training_flops_per_token(Recipe(model=dense)) * tokens / _in_fresh_process(
+        f"compute_rate({model_kwargs!r}, {micro_batch}, {dtype!r})", threads=_threads())
+    stem_s = _in_fresh_process(
+        f"compute_rate({model_kwargs!r}, {micro_batch}, {dtype!r}, stem_layers='1/2')",
+        threads=_threads())
+    extra = stem_s - training_flops_per_token(Recipe(model=stem)) * tokens / flops
+    rows = 4 * tokens * stem.ffn_hidden_size * len(stem.stem_layer_indices) * \
+        (2 if dtype == "bf16" else 4)
+    return flops, rows / max(extra, 1e-6)
+
+
+def _threads() -> int | None:
+    """One thread for a measurement of the CPU profile (a rank's), the default on GPUs."""
+    return None if torch.cuda.is_available() else 1
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -147,13 +176,16 @@ def _gloo_worker(rank: int, world: int, path: str, out: str) -> None:
             fn()
         return run
 
+    tiny = torch.ones(1)
+    latency = _best(barrier_then(lambda: dist.all_reduce(tiny)), 20, time.perf_counter)
     ar = _best(barrier_then(lambda: dist.all_reduce(x)), 4, time.perf_counter)
     a2a = _best(barrier_then(lambda: dist.all_to_all(parts, sends)), 4, time.perf_counter)
     if rank == 0:
         busbw = 2 * n * 4 * (world - 1) / world / ar
         a2a_bw = n * 4 * (world - 1) / world / a2a
         with open(out, "w") as f:
-            json.dump({"allreduce_busbw": busbw, "alltoall_bw": a2a_bw}, f)
+            json.dump({"allreduce_busbw": busbw, "alltoall_bw": a2a_bw,
+                       "latency": latency}, f)
     dist.destroy_process_group()
 
 
@@ -179,15 +211,16 @@ def measure_cpu() -> Hardware:
         gather_n, memcpy_n = copy_rates()
     finally:
         torch.set_num_threads(threads)
-    flops = _in_fresh_process("compute_rate()", threads=1)
+    flops, table_bw = compute_rates(CALIBRATION_MODEL, MICRO_BATCH, "fp32")
     gloo = gloo_rates()
     return Hardware(
-        name="cpu", peak_flops=flops, mfu=1.0, memory_bw=memcpy1, memory_bytes=0.0,
+        name="cpu", peak_flops=flops, mfu=1.0, memory_bw=memcpy1, table_rows_bw=table_bw,
+        memory_bytes=0.0,
         nvlink_bw=0.0, nic_bw=0.0, nics_per_node=0, pinned_copy_bw=memcpy1,
         pageable_copy_bw=memcpy1, dram_bw=max(memcpy_n, memcpy1) * 2,  # read + write
         gather_bw=max(gather_n, gather1), cpu_adam_rate=ds, torch_adam_rate=pt, cores=cores,
         device_is_host=True, gloo_allreduce_busbw=gloo["allreduce_busbw"],
-        gloo_alltoall_bw=gloo["alltoall_bw"])
+        gloo_alltoall_bw=gloo["alltoall_bw"], collective_latency=gloo["latency"])
 
 
 def _in_fresh_process(call: str, threads: int | None = None) -> float:
@@ -232,9 +265,9 @@ def measure_gpu(name: str, tiny: bool = False, kernel: str = "deepspeed") -> Har
     finally:
         torch.set_num_threads(threads)
     model, mbs = (TINY_MODEL, 2) if tiny else (GPU_MODEL_1B, 4)
-    flops = _in_fresh_process(f"compute_rate({model!r}, {mbs}, 'bf16')")
+    flops, table_bw = compute_rates(model, mbs, "bf16")
     fit = dict(mfu=min(1.0, flops / base.peak_flops), cpu_adam_rate=ds, torch_adam_rate=pt,
-               cores=cores, dram_bw=2 * memcpy, gather_bw=gather)
+               cores=cores, dram_bw=2 * memcpy, gather_bw=gather, table_rows_bw=table_bw)
     if torch.cuda.is_available():
         links = copy_link_rates(1 << (24 if tiny else 30))
         fit.update(pinned_copy_bw=links["pinned"], pageable_copy_bw=links["pageable"],

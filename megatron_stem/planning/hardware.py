@@ -14,7 +14,8 @@ GPU profiles are published numbers (per GPU unless said; GB = 1e9 bytes):
 Derived, and stated as assumptions (bench/gpu/run_all.sh refits them on one H200):
 - achievable MFU of the forward/backward: 40% (Megatron-class 1B training in bf16 at
   seq 2048; the 0.76 s/step of issue 11's estimate is the same 400 TFLOP/s);
-- collectives reach 80% of link bandwidth (NCCL ring bus bandwidth, large messages);
+- collectives reach 80% of link bandwidth (NCCL ring bus bandwidth, large messages) and
+  cost 30 us per call (NCCL small-message latency across nodes);
 - pageable (unpinned) host<->device copies: 20 GB/s; pinned: 55 GB/s;
 - node DRAM achievable: 70% of peak = 430 GB/s, shared by the node's ranks;
 - host<->device copies of all a node's GPUs land in the same DRAM: a rank's copy rate is
@@ -59,6 +60,10 @@ class Hardware:
     cores: int  # CPU cores per node
     adam_bytes_per_element: int = 28  # fp32 master, 2 moments, grad read; 3 written
     collective_efficiency: float = 0.8
+    collective_latency: float = 30e-6  # s per collective call (NCCL, small messages)
+    # STEM tables' rows in forward/backward (lookup, sparse grads, coalescing), B/s of one
+    # rank: measured on the CPU profile and by run_all.sh; 0 = the memory bandwidth
+    table_rows_bw: float = 0.0
     # CPU profile only: "device" memory is host memory, collectives are gloo's (measured).
     device_is_host: bool = False
     gloo_allreduce_busbw: float = 0.0

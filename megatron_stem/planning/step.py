@@ -42,6 +42,8 @@ CHUNKS_PER_TABLE = 4  # `backward`/`delayed`: a table's rows go through the path
 # Activation memory per token per layer in bf16 without recompute, with flash attention
 # (Korthikanti et al. 2022: 34 x hidden bytes per token per layer, the s^2 term gone).
 ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN = 34
+# Passes over the backbone's fp32 grads that DeepSpeed's ZeRO-1/2 step makes besides Adam.
+ZERO_PASSES = 6
 # ZeRO-1/2 backbone: bf16 params and grads on the device, fp32 master and moments / DP.
 BACKBONE_OPTIMIZER_BYTES_PER_PARAM = 12
 
@@ -258,9 +260,11 @@ def compute_components(w: Workload, cluster: Cluster, hw: Hardware) -> list[Comp
         # lookup writes the rows, backward writes their sparse grads, coalescing reads and
         # writes them again: four passes over tokens x width per table
         b = 4 * w.tokens * w.shape.width * w.shape.tables * w.dtype_bytes
-        out.append(Component("table rows in fwd/bwd (memory)", "mem", b, "B",
-                             b / hw.node_share(hw.memory_bw, rpn) if hw.device_is_host
-                             else b / hw.memory_bw, "compute"))
+        bw = hw.table_rows_bw or hw.memory_bw
+        if hw.device_is_host:
+            bw *= hw.threads_per_rank(rpn)
+        out.append(Component("table rows in fwd/bwd (memory)", "mem", b, "B", b / bw,
+                             "compute"))
     return out
 
 
@@ -281,6 +285,12 @@ def backbone_components(w: Workload, cluster: Cluster, hw: Hardware) -> list[Com
     else:
         opt_s = elems * (hw.adam_bytes_per_element + w.dtype_bytes) / hw.memory_bw
     out.append(Component("backbone Adam (partition)", "mem", elems, "elem", opt_s, "backbone"))
+    # DeepSpeed's passes over the fp32 grads around the step: flatten into the partition
+    # buffer, norm, overflow check, clip, copy back into the params, all-gather's output
+    b = ZERO_PASSES * p * 4
+    bw = hw.memory_bw if not hw.device_is_host else hw.memory_bw * hw.threads_per_rank(rpn)
+    out.append(Component("backbone ZeRO bookkeeping (memory)", "mem", b, "B", b / bw,
+                         "backbone"))
     out.append(Component("backbone param all-gather", "net", grads, "B",
                          _ring_seconds(grads, dp, 1, hw, rpn), "backbone"))
     return out
@@ -295,23 +305,32 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
     rpn = gpn
     out: list[Component] = []
 
-    def add(name, resource, amount, unit, seconds):
+    def add(name, resource, amount, unit, seconds, calls=0):
+        """`calls`: collectives issued (each costs the latency)."""
         if amount:
-            out.append(Component(name, resource, amount, unit, seconds, "tables"))
+            out.append(Component(name, resource, amount, unit,
+                                 seconds + calls * hw.collective_latency, "tables"))
 
+    per_table = s.tables
+    sharded = lay.partition == "sharded"
     ids = traffic.id_exchange_bytes(s, lay, c)
-    add("row ids exchange", "net", ids, "B", _ring_seconds(ids, w.dp, 1, hw, gpn))
+    # replicated: a count and an id all-gather (device placement: per table); sharded:
+    # the counts and the ids, all-to-all
+    id_calls = 2 * (per_table if lay.placement == "device" and not sharded else 1)
+    add("row ids exchange", "net", ids, "B", _ring_seconds(ids, w.dp, 1, hw, gpn), id_calls)
     b = traffic.grad_allreduce_bytes(s, lay, c)
-    add("grad all-reduce of the union (fp32)", "net", b, "B", _ring_seconds(b, w.dp, 2, hw, gpn))
+    add("grad all-reduce of the union (fp32)", "net", b, "B",
+        _ring_seconds(b, w.dp, 2, hw, gpn), per_table)
     b = traffic.grad_reduce_bytes(s, lay, c)
     add("grad reduce to owners in node (fp32)", "net", b, "B",
-        _ring_seconds(b, lay.ranks_per_copy, 1, hw, lay.ranks_per_copy))
+        _ring_seconds(b, lay.ranks_per_copy, 1, hw, lay.ranks_per_copy),
+        per_table * lay.ranks_per_copy)  # one reduce per owner's chunk
     b = traffic.cross_copy_allreduce_bytes(s, lay, c)
     add("owned grads all-reduce across nodes (fp32)", "net", b, "B",
-        _ring_seconds(b, lay.copies, 2, hw, 1))
+        _ring_seconds(b, lay.copies, 2, hw, 1), per_table)
     b = traffic.grads_to_owners_bytes(s, lay, c)
     add("grads to owners (all-to-all)", "net", b, "B",
-        hw.alltoall_seconds(b, w.dp, cluster.gpus_per_node) * w.owner_skew)
+        hw.alltoall_seconds(b, w.dp, cluster.gpus_per_node) * w.owner_skew, per_table)
     pinned = lay.partition == "sharded"
     kind = "pinned" if pinned else "pageable"
     b = traffic.grad_d2h_bytes(s, lay, c)
@@ -334,10 +353,11 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
     add(f"H2D updated rows ({kind})", "h2d", h2d, "B", h2d / hw.copy_bw(pinned, rpn))
     ag = traffic.allgather_bytes(s, lay, c)
     if lay.placement == "device":
-        add("all-gather updated rows", "net", ag, "B", _ring_seconds(ag, w.dp, 1, hw, gpn))
+        add("all-gather updated rows", "net", ag, "B", _ring_seconds(ag, w.dp, 1, hw, gpn),
+            per_table)
     else:
         add("all-gather updated rows across nodes (fp32)", "net", ag, "B",
-            _ring_seconds(ag, lay.copies, 1, hw, 1))
+            _ring_seconds(ag, lay.copies, 1, hw, 1), per_table)
     b = traffic.peer_rows_d2h_bytes(s, lay, c)
     add("D2H rows from other nodes (pinned)", "d2h", b, "B", b / hw.copy_bw(True, rpn))
     return out, lay
