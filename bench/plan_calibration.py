@@ -231,8 +231,13 @@ def predict(variant: str, dp: int, args, hw, rows: dict | None):
                          if c.phase == "tables" and c.name.startswith(sync_names)),
              "staging_wait": p.seconds("staging") and step.exposed_staging_seconds(
                  w, [c for c in p.components if c.phase == "staging"], p.seconds("compute"))}
+    if args.clock == "cpu":  # the staging threads' work is CPU time of the compute
+        parts["compute"] += p.seconds("staging")
+        parts["step"] = p.step_s - parts["staging_wait"] + p.seconds("staging")
+        parts["staging_wait"] = 0.0
+    else:
+        parts["step"] = p.step_s
     parts["table_step"] = p.seconds("tables") - parts["sync"]
-    parts["step"] = p.step_s
     parts["comm_bytes"] = p.counters.get("tables/comm_bytes", 0)
     return parts, w.rows
 

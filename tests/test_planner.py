@@ -11,7 +11,7 @@ from megatron_stem.config import ModelConfig, Recipe, TrainConfig
 from megatron_stem.planning import hardware, report, rows, step, traffic
 from megatron_stem.planning.traffic import Layout, RowCounts, TableShape
 
-from conftest import ROOT
+from conftest import ROOT, subprocess_env
 
 SHAPE = TableShape(tables=2, rows=100, width=8)
 COUNTS = RowCounts(rank_rows=10, union_rows=30, owned_rows=8, microbatch_rows=14,
@@ -118,19 +118,21 @@ def test_ranking_marks_an_exact_option_when_overlap_hides_the_path():
                                          + today.seconds("tables"))
 
 
-def _cli(*args):
+def _cli(*args, home=None):
+    """The CLI as a user runs it; a fresh HOME: no cached or refit profiles."""
+    env = subprocess_env(HOME=str(home)) if home else None
     return subprocess.run([sys.executable, str(ROOT / "tools/plan_step.py"), *args],
-                          capture_output=True, text=True, cwd=ROOT)
+                          capture_output=True, text=True, cwd=ROOT, env=env)
 
 
 LAST_LINE = re.compile(r"predicted step time STEM \d+\.\d{3} s, dense \d+\.\d{3} s, "
                        r"ratio (\d+\.\d{2})")
 
 
-def test_cli_last_line_and_the_1b_pair():
+def test_cli_last_line_and_the_1b_pair(tmp_path):
     pair = ["--recipe", "recipes/stem_1b.yaml", "--baseline", "recipes/dense_1b.yaml",
             "--nodes", "4", "--gpus-per-node", "8", "--hardware", "h200"]
-    today, best = _cli(*pair), _cli(*pair, "--choose", "best")
+    today, best = _cli(*pair, home=tmp_path), _cli(*pair, "--choose", "best", home=tmp_path)
     assert today.returncode == best.returncode == 0, today.stderr + best.stderr
     ratios = []
     for proc in (today, best):

@@ -68,6 +68,15 @@ def adam_rate(kernel: str, elements: int = 1 << 25) -> float:
     return elements / _best(lambda: k.update(next(step), 1e-3, 0.1, p, g, m, v))
 
 
+def optimizer_rate(elements: int = 1 << 25) -> float:
+    """Elements/s of torch.optim.AdamW's step (what DeepSpeed runs for the backbone with a
+    torch optimizer on CPU), one thread."""
+    param = torch.nn.Parameter(torch.rand(elements))
+    param.grad = torch.rand(elements)
+    opt = torch.optim.AdamW([param], lr=1e-3, weight_decay=0.1)
+    return elements / _best(opt.step)
+
+
 def copy_rates(rows: int = 65536, width: int = 1024, picked: int = 32768) -> tuple[float, float]:
     """(gather, memcpy) bytes written per second at the current thread count."""
     table = torch.randn(rows, width)
@@ -206,6 +215,7 @@ def measure_cpu() -> Hardware:
     torch.set_num_threads(1)
     try:
         ds, pt = adam_rate("deepspeed"), adam_rate("torch")
+        backbone = optimizer_rate()
         gather1, memcpy1 = copy_rates()
         torch.set_num_threads(cores)
         gather_n, memcpy_n = copy_rates()
@@ -219,6 +229,7 @@ def measure_cpu() -> Hardware:
         nvlink_bw=0.0, nic_bw=0.0, nics_per_node=0, pinned_copy_bw=memcpy1,
         pageable_copy_bw=memcpy1, dram_bw=max(memcpy_n, memcpy1) * 2,  # read + write
         gather_bw=max(gather_n, gather1), cpu_adam_rate=ds, torch_adam_rate=pt, cores=cores,
+        backbone_adam_rate=backbone,
         device_is_host=True, gloo_allreduce_busbw=gloo["allreduce_busbw"],
         gloo_alltoall_bw=gloo["alltoall_bw"], collective_latency=gloo["latency"])
 

@@ -64,6 +64,8 @@ class Hardware:
     # STEM tables' rows in forward/backward (lookup, sparse grads, coalescing), B/s of one
     # rank: measured on the CPU profile and by run_all.sh; 0 = the memory bandwidth
     table_rows_bw: float = 0.0
+    # CPU profile: torch.optim.AdamW's elements/s per core (the backbone's optimizer there)
+    backbone_adam_rate: float = 0.0
     # CPU profile only: "device" memory is host memory, collectives are gloo's (measured).
     device_is_host: bool = False
     gloo_allreduce_busbw: float = 0.0

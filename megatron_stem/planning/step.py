@@ -281,7 +281,8 @@ def backbone_components(w: Workload, cluster: Cluster, hw: Hardware) -> list[Com
                      reductions * _ring_seconds(grads, dp, 1, hw, rpn), "backbone")]
     elems = p / dp
     if hw.device_is_host:
-        opt_s = elems / (hw.torch_adam_rate * hw.threads_per_rank(rpn))
+        rate = hw.backbone_adam_rate or hw.torch_adam_rate
+        opt_s = elems / (rate * hw.threads_per_rank(rpn))
     else:
         opt_s = elems * (hw.adam_bytes_per_element + w.dtype_bytes) / hw.memory_bw
     out.append(Component("backbone Adam (partition)", "mem", elems, "elem", opt_s, "backbone"))
