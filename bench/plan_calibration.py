@@ -1,7 +1,7 @@
 """The step planner against measured steps on this machine: predicted vs measured, per
 component, side by side.
 
-    python bench/plan_calibration.py [--dp 2,4] [--variants device/dense,device/lazy,...]
+    python bench/plan_calibration.py [--dp 2,4] [--variants device/dense/sharded,...]
         [--steps 3] [--calibrate]
 
 A mid-size STEM model (megatron_stem/planning/calibrate.py: vocab 32k, d 256, d_ff 1024,
@@ -54,17 +54,13 @@ def _preset(name: str) -> tuple[dict, int, str]:
 
 
 def _recipe(variant: str, dp: int, microbatches: int, preset: str, kernel: str = "deepspeed"):
-    """`variant`: "dense" (the baseline) or placement/update[/partition]."""
-    from megatron_stem.config import ModelConfig, Recipe, TableOptimConfig, TrainConfig
+    """`variant`: "dense" (the baseline) or placement/update/partition[/overlap]."""
+    from megatron_stem.config import ModelConfig, Recipe, TableOptimConfig, TrainConfig, from_dict
 
     shape, micro, dtype = _preset(preset)
-    placement, update, *partition = variant.split("/") if variant != "dense" \
-        else ("device", "dense")
-    tables = TableOptimConfig(update=update, placement=placement, kernel=kernel)
-    if partition:
-        if not hasattr(tables, "partition"):
-            raise SystemExit(f"{variant}: this checkout has no tables.partition")
-        tables.partition = partition[0]
+    fields = dict(zip(("placement", "update", "partition", "overlap"), variant.split("/"))) \
+        if variant != "dense" else {}
+    tables = from_dict(TableOptimConfig, {**fields, "kernel": kernel})
     stem = "none" if variant == "dense" else "1/2"
     return Recipe(model=ModelConfig(**shape, stem_layers=stem), tables=tables,
                   train=TrainConfig(micro_batch_size=micro, dtype=dtype,
@@ -112,8 +108,9 @@ class PartTimer:
         self._mark = now
 
 
-def timed_step(engine, tables, norms, mbs) -> dict:
-    """train.train_step + TableOptimizer.step, each part timed in both clocks."""
+def timed_step(engine, tables, norms, mbs, next_mbs=None) -> dict:
+    """train.train_step + TableOptimizer.step (given the next step's ids, as the trainer
+    does for `overlap: next_step`), each part timed in both clocks."""
     from megatron_stem.train import _token_mean_loss
     from megatron_stem.training.engine import clip_coefficient
 
@@ -128,7 +125,8 @@ def timed_step(engine, tables, norms, mbs) -> dict:
             t.lap("sync")
         engine.step()
         t.lap("backbone")
-    tables.step(1e-3, clip_coefficient(norms, 1.0))
+    next_ids = [mb["tokens"] for mb in next_mbs] if next_mbs else None
+    tables.step(1e-3, clip_coefficient(norms, 1.0), next_ids=next_ids)
     t.lap("table_step")
     for clock in (t.wall, t.cpu):
         clock["step"] = sum(clock.values())
@@ -152,7 +150,7 @@ def worker(args) -> None:
     recipe0 = _recipe("dense", 1, args.microbatches, args.preset)
     init_distributed(recipe0.parallel)
     rank, dp = dist.get_rank(), dist.get_world_size()
-    steps = _microbatches(ids, args.steps + 1, args.microbatches,
+    steps = _microbatches(ids, args.steps + 2, args.microbatches,
                           recipe0.train.micro_batch_size, recipe0.model.seq_length, rank)
     for variant in args.variants.split(","):
         recipe = _recipe(variant, dp, args.microbatches, args.preset, args.kernel)
@@ -160,10 +158,11 @@ def worker(args) -> None:
         engine, tables, norms = build_engine(build_model(
             recipe.model, recipe.parallel, tables=recipe.tables), recipe)
         times, rows = [], []
-        for i, mbs in enumerate(steps):
+        for i, (mbs, next_mbs) in enumerate(zip(steps, steps[1:])):
             dist.barrier()
-            t = timed_step(engine, tables, norms, mbs)
-            t["comm_bytes"] = tables.last_comm_bytes
+            t = timed_step(engine, tables, norms, mbs, next_mbs)
+            stats = tables.stats()  # waits for a next_step update: its counters are in
+            t["comm_bytes"], t["adam_elements"] = stats["comm_bytes"], stats["adam_elements"]
             if i:  # the first step allocates the optimizer states
                 times.append(t)
             tokens = [mb["tokens"] for mb in mbs]
@@ -181,11 +180,12 @@ def worker(args) -> None:
                 for clock in ("wall", "cpu")}
         mean_rows = {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
         gathered = [None] * dp
-        dist.all_gather_object(gathered, (best, mean_rows, times[-1]["comm_bytes"]))
+        counted = {k: times[-1][k] for k in ("comm_bytes", "adam_elements")}
+        dist.all_gather_object(gathered, (best, mean_rows, counted))
         results[variant] = {
             "parts": {clock: {k: max(g[0][clock][k] for g in gathered) for k in best[clock]}
                       for clock in best},
-            "comm_bytes": gathered[0][2],
+            "counted": gathered[0][2],
             "rows": {k: statistics.mean(g[1][k] for g in gathered) for k in mean_rows}
             | {"longest_rank_rows": max(g[1]["rank_rows"] for g in gathered)}}
     if rank == 0:
@@ -222,23 +222,20 @@ def predict(variant: str, dp: int, args, hw, rows: dict | None):
     w = step.workload(recipe, cluster, rows_override=rows)
     p = step.plan(w, None if variant == "dense" else step.configured_option(recipe),
                   cluster, hw)
-    sync_names = ("row ids", "grad", "owned grads", "grads to owners", "D2H grads")
-    # DeepSpeed reduces the backbone's grads inside the boundary micro-batch's backward
     reduce = sum(c.seconds for c in p.components if c.name.startswith("backbone grad"))
+    # DeepSpeed reduces the backbone's grads inside the boundary micro-batch's backward
     parts = {"compute": p.seconds("compute") + reduce,
              "backbone": p.seconds("backbone") - reduce,
-             "sync": sum(c.seconds for c in p.components
-                         if c.phase == "tables" and c.name.startswith(sync_names)),
-             "staging_wait": p.seconds("staging") and step.exposed_staging_seconds(
+             "sync": p.seconds("sync"), "table_step": p.seconds("tables"),
+             "staging_wait": step.exposed_staging_seconds(
                  w, [c for c in p.components if c.phase == "staging"], p.seconds("compute"))}
-    if args.clock == "cpu":  # the staging threads' work is CPU time of the compute
+    if args.clock == "cpu":  # CPU time counts work, hidden or not; staging threads' too
         parts["compute"] += p.seconds("staging")
-        parts["step"] = p.step_s - parts["staging_wait"] + p.seconds("staging")
         parts["staging_wait"] = 0.0
+        parts["step"] = sum(c.seconds for c in p.components)
     else:
         parts["step"] = p.step_s
-    parts["table_step"] = p.seconds("tables") - parts["sync"]
-    parts["comm_bytes"] = p.counters.get("tables/comm_bytes", 0)
+    parts.update({k.split("/")[1]: v for k, v in p.counters.items()})
     return parts, w.rows
 
 
@@ -248,7 +245,9 @@ PARTS = ("compute", "sync", "backbone", "table_step", "staging_wait", "step")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dp", default="2,4")
-    ap.add_argument("--variants", default="device/dense,device/lazy,host/dense,host/lazy")
+    ap.add_argument("--variants", default="device/dense/replicated,device/dense/sharded,"
+                    "device/lazy/sharded,host/dense/sharded,device/dense/sharded/next_step",
+                    help="dense, or placement/update/partition[/overlap], comma-separated")
     ap.add_argument("--microbatches", type=int, default=2, help="per rank per step")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--calibrate", action="store_true", help="re-measure the cpu profile")
@@ -304,8 +303,10 @@ def main() -> None:
                 print(f"\nDP{dp} {variant}: rows per step rank {seen['rank_rows']} (Zipf "
                       f"{modelled.rank_rows}), union {seen['union_rows']} (Zipf "
                       f"{modelled.union_rows}), staged {seen['microbatch_rows']} (Zipf "
-                      f"{modelled.microbatch_rows}); table comm bytes rank 0 "
-                      f"{m['comm_bytes']:,.0f}, counters {with_rows['comm_bytes']:,.0f}")
+                      f"{modelled.microbatch_rows}); rank 0 counted comm bytes "
+                      f"{m['counted']['comm_bytes']:,.0f} (planner {with_rows['comm_bytes']:,.0f}),"
+                      f" Adam elements {m['counted']['adam_elements']:,.0f} (planner "
+                      f"{with_rows['adam_elements']:,.0f})")
                 other = "cpu" if args.clock == "wall" else "wall"
                 print(f"  {'part (s)':<14}{'measured':>10}{'predicted':>11}{'ratio':>7}"
                       f"{'w/ rows':>9}{'ratio':>7}   ({args.clock} time; step in {other} "

@@ -48,7 +48,8 @@ cat "$PROFILE"
 
 stamp "dense vs STEM steps, each part timed"
 timeout 300 "$PY" bench/plan_calibration.py --preset "$PRESET" --dp 1 --steps "$STEPS" \
-    --variants dense,device/dense,device/lazy,host/dense,host/lazy --kernel "$KERNEL" \
+    --variants dense,device/dense/replicated,device/dense/sharded,device/lazy/sharded,host/dense/sharded,device/dense/sharded/next_step \
+    --kernel "$KERNEL" \
     --profile "$PROFILE" 2> "$OUT/components.err" | tee "$OUT/components.txt"
 
 stamp "the planner on 4 x 8 H200 with the refit constants"

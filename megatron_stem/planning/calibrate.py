@@ -191,7 +191,7 @@ def _gloo_worker(rank: int, world: int, path: str, out: str) -> None:
     a2a = _best(barrier_then(lambda: dist.all_to_all(parts, sends)), 4, time.perf_counter)
     if rank == 0:
         busbw = 2 * n * 4 * (world - 1) / world / ar
-        a2a_bw = n * 4 * (world - 1) / world / a2a
+        a2a_bw = n * 4 * (world - 1) / world / a2a  # bytes sent to the other ranks
         with open(out, "w") as f:
             json.dump({"allreduce_busbw": busbw, "alltoall_bw": a2a_bw,
                        "latency": latency}, f)

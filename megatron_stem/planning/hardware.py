@@ -106,19 +106,17 @@ class Hardware:
             link = min(self.nvlink_bw * g / max(g - 1, 1), self.nics_per_node * self.nic_bw)
         return link * self.collective_efficiency
 
-    def alltoall_seconds(self, send_bytes: float, ranks: int, gpus_per_node: int) -> float:
-        """All-to-all of `send_bytes` per rank, split evenly over the ranks: the part for
-        other nodes leaves through this GPU's NIC, the part for the node's GPUs over
-        NVLink, at the same time."""
+    def alltoall_seconds(self, sent_bytes: float, ranks: int, gpus_per_node: int) -> float:
+        """All-to-all in which this rank sends `sent_bytes` to the other ranks, evenly: the
+        part for other nodes leaves through this GPU's NIC, the part for the node's GPUs
+        over NVLink, at the same time."""
         if ranks <= 1:
             return 0.0
         if self.device_is_host:
-            bw = self.gloo_alltoall_bw * self.threads_per_rank(ranks)
-            return send_bytes * (ranks - 1) / ranks / bw
+            return sent_bytes / (self.gloo_alltoall_bw * self.threads_per_rank(ranks))
         local = min(ranks, gpus_per_node)
-        nodes = ranks / local
-        remote = send_bytes * (nodes - 1) / nodes
-        near = send_bytes * (local - 1) / ranks
+        remote = sent_bytes * (ranks - local) / (ranks - 1)
+        near = sent_bytes * (local - 1) / (ranks - 1)
         nic_per_gpu = self.nics_per_node * self.nic_bw / gpus_per_node
         eff = self.collective_efficiency
         return max(remote / (nic_per_gpu * eff), near / (self.nvlink_bw * eff))

@@ -28,12 +28,15 @@ def components(title: str, p: Plan) -> list[str]:
     lines = [title, f"  {'component':<44}{'amount':>16}{'seconds':>10}  overlaps"]
     for c in p.components:
         note = _OVERLAP_NOTE.get(c.phase, "")
+        if c.phase == "sync":
+            note = "serial, at the last backward"
         if c.phase == "tables":
             note = {"none": "serial after backward",
+                    "next_step": "with the next step; its rows first",
                     "backward": "with backward/backbone, pipelined per table",
-                    "delayed": "with the next step"}[p.option.overlap]
+                    "delayed": "with the next step (one step stale)"}[p.option.overlap]
         lines.append(f"  {c.name:<44}{amount(c.amount, c.unit):>16}{c.seconds:>10.4f}  {note}")
-    tables = p.seconds("tables") + p.seconds("staging")
+    tables = p.seconds("sync") + p.seconds("tables") + p.seconds("staging")
     if tables:
         lines.append(f"  {'table path: serial sum / exposed':<44}{'':>16}{tables:>10.4f}  "
                      f"exposed {p.exposed_tables_s:.4f}")
@@ -45,20 +48,22 @@ def components(title: str, p: Plan) -> list[str]:
 
 
 def ranking(plans: list[Plan], dense: Plan, best: Plan) -> list[str]:
-    fastest_exact = next((p for p in plans if p.fits and p.option.exact), None)
-    lines = ["ranking (per rank per step; * fastest exact, > chosen by --choose best, "
-             "today = the current code's path):",
-             f"  {'':2}{'placement':<10}{'update':<7}{'partition':<11}{'overlap':<9}"
-             f"{'optim':<6}{'step s':>9}{'vs dense':>9}{'MFU':>7}{'tables s':>10}"
+    fastest_exact = next((p for p in plans if p.fits and p.option.exact
+                          and p.option.implemented), None)
+    lines = ["ranking (per rank per step; * the fastest exact option the code has, > the one "
+             "--choose best takes (CPU optimizer states)):",
+             f"  {'':2}{'placement':<10}{'update':<7}{'partition':<11}{'overlap':<10}"
+             f"{'optimizer':<12}{'step s':>9}{'vs dense':>9}{'MFU':>7}{'tables s':>10}"
              f"{'exposed s':>10}  notes"]
     for p in plans:
         o = p.option
         mark = ("*" if p is fastest_exact else " ") + (">" if p is best else " ")
-        notes = [n for n in ("today" if o.today else "", "" if o.exact else "not exact",
-                             "" if p.fits else p.why_not) if n]
-        lines.append(f"  {mark}{o.placement:<10}{o.update:<7}{o.partition:<11}{o.overlap:<9}"
-                     f"{o.optimizer:<6}{p.step_s:>9.4f}{p.step_s / dense.step_s:>9.3f}"
-                     f"{p.mfu:>7.1%}{p.seconds('tables') + p.seconds('staging'):>10.4f}"
+        notes = [n for n in ("today's path" if o.today else "",
+                             "" if o.implemented else "not in the code",
+                             "" if o.exact else "not exact", "" if p.fits else p.why_not) if n]
+        lines.append(f"  {mark}{o.placement:<10}{o.update:<7}{o.partition:<11}{o.overlap:<10}"
+                     f"{o.optimizer:<12}{p.step_s:>9.4f}{p.step_s / dense.step_s:>9.3f}"
+                     f"{p.mfu:>7.1%}{p.table_seconds:>10.4f}"
                      f"{p.exposed_tables_s:>10.4f}  {', '.join(notes)}")
     return lines
 

@@ -26,8 +26,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from megatron_stem.accounting import account
-from megatron_stem.config import Recipe
-from megatron_stem.errors import UserError
+from megatron_stem.config import Recipe, TableOptimConfig, from_dict
+from megatron_stem.errors import ConfigError, UserError
 from megatron_stem.planning import rows as row_model
 from megatron_stem.planning import traffic
 from megatron_stem.planning.hardware import Hardware
@@ -36,8 +36,11 @@ from megatron_stem.planning.traffic import Layout, RowCounts, TableShape
 PLACEMENTS = ("device", "host")
 UPDATES = ("dense", "lazy")
 PARTITIONS = ("replicated", "sharded")
-OVERLAPS = ("none", "backward", "delayed")
-OPTIMIZERS = ("cpu", "gpu")
+# `none` and `next_step` are in the code (tables.overlap); `backward` (each table's path
+# started as backward finishes it) and `delayed` (a one-step-delayed update, not exact)
+# are the design's alternatives, modelled for comparison.
+OVERLAPS = ("none", "next_step", "backward", "delayed")
+OPTIMIZERS = ("cpu", "accelerator")
 CHUNKS_PER_TABLE = 4  # `backward`/`delayed`: a table's rows go through the path in chunks
 # Activation memory per token per layer in bf16 without recompute, with flash attention
 # (Korthikanti et al. 2022: 34 x hidden bytes per token per layer, the s^2 term gone).
@@ -50,7 +53,7 @@ BACKBONE_OPTIMIZER_BYTES_PER_PARAM = 12
 
 @dataclass(frozen=True)
 class Option:
-    """One way to train the tables (the `tables.*` fields of the design)."""
+    """One way to train the tables (the `tables.*` fields of the config)."""
 
     placement: str
     update: str
@@ -64,7 +67,20 @@ class Option:
 
     @property
     def today(self) -> bool:
+        """The path before issue 11 (still there as `partition: replicated`)."""
         return self.partition == "replicated"
+
+    @property
+    def implemented(self) -> bool:
+        """Whether the config (and so the trainer) accepts this combination."""
+        try:
+            from_dict(TableOptimConfig, {
+                "placement": self.placement, "update": self.update,
+                "partition": self.partition, "overlap": self.overlap,
+                "optimizer_device": self.optimizer})
+        except ConfigError:
+            return False
+        return True
 
     def __str__(self) -> str:
         return "/".join((self.placement, self.update, self.partition, self.overlap,
@@ -75,7 +91,7 @@ class Option:
         parts = text.split("/")
         if len(parts) != 5:
             raise UserError(f"--choose: expected placement/update/partition/overlap/optimizer "
-                            f"(e.g. device/dense/sharded/backward/cpu), got {text!r}")
+                            f"(e.g. device/dense/sharded/next_step/cpu), got {text!r}")
         option = cls(*parts)
         if option not in all_options():
             raise UserError(f"--choose: {text} is not a supported combination")
@@ -83,26 +99,25 @@ class Option:
 
 
 def all_options() -> list[Option]:
-    """Every combination the code has or the design adds. Today's path (`replicated`) runs
-    serially with a CPU optimizer; the GPU optimizer exists for sharded device tables."""
+    """Every combination the code has or the design considered: `replicated` runs
+    serially with a CPU optimizer; the optimizer on the accelerator, and `next_step`, need
+    sharded device tables; `backward`/`delayed` are modelled for sharded tables."""
     out = []
     for p, u, part, o, opt in itertools.product(PLACEMENTS, UPDATES, PARTITIONS, OVERLAPS,
                                                 OPTIMIZERS):
         option = Option(p, u, part, o, opt)
         if part == "replicated" and (o != "none" or opt != "cpu"):
             continue
-        if opt == "gpu" and (p != "device" or part != "sharded"):
+        if (opt == "accelerator" or o == "next_step") and (p, part) != ("device", "sharded"):
             continue
         out.append(option)
     return out
 
 
 def configured_option(recipe: Recipe) -> Option:
-    """The option a recipe trains with; fields the config does not have yet take today's
-    behaviour (replicated, no overlap, CPU optimizer)."""
+    """The option a recipe trains with."""
     t = recipe.tables
-    return Option(t.placement, t.update, getattr(t, "partition", "replicated"),
-                  getattr(t, "overlap", "none"), getattr(t, "optimizer_device", "cpu"))
+    return Option(t.placement, t.update, t.partition, t.overlap, t.optimizer_device)
 
 
 # -- the workload -------------------------------------------------------------------------
@@ -155,7 +170,7 @@ class Workload:
         return Layout(option.placement, option.update, option.partition, option.optimizer,
                       dp=self.dp, ranks_per_copy=min(self.dp, cluster.gpus_per_node),
                       grad_bytes=self.dtype_bytes, param_bytes=self.dtype_bytes,
-                      device_is_host=hw.device_is_host)
+                      device_is_host=hw.device_is_host, overlap=option.overlap)
 
 
 def training_flops_per_token(recipe: Recipe) -> float:
@@ -211,9 +226,11 @@ def expected_rows(vocab: int, dp: int, microbatches: int, per_microbatch: int,
 
 
 def rows_for(counts: RowCounts, lay: Layout) -> RowCounts:
-    """The counts with this layout's share of the union (a balanced split of the rows
-    over the ranks that share the tables' optimizer)."""
-    return replace(counts, owned_rows=round(counts.union_rows / lay.sharers))
+    """The counts with this layout's shares (rows split evenly over the ranks that share
+    the tables' optimizer: see `owner_skew` for when they are not)."""
+    owned = round(counts.union_rows / lay.sharers)
+    return replace(counts, owned_rows=owned, longest_owned_rows=owned,
+                   self_rows=round(counts.rank_rows / lay.sharers))
 
 
 # -- components ---------------------------------------------------------------------------
@@ -242,6 +259,11 @@ class Plan:
 
     def seconds(self, phase: str) -> float:
         return sum(c.seconds for c in self.components if c.phase == phase)
+
+    @property
+    def table_seconds(self) -> float:
+        """The table path's work, hidden or not: sync, update, staging."""
+        return self.seconds("sync") + self.seconds("tables") + self.seconds("staging")
 
 
 def _ring_seconds(bytes_: float, ranks: int, factor: float, hw: Hardware,
@@ -299,68 +321,72 @@ def backbone_components(w: Workload, cluster: Cluster, hw: Hardware) -> list[Com
 
 def table_components(w: Workload, option: Option, cluster: Cluster,
                      hw: Hardware) -> tuple[list[Component], Layout]:
-    """The table path's stages for all tables, in the order the code runs them."""
+    """The table path's stages for all tables, in the order the code runs them; the
+    gradient sync's stages have phase `sync` (they run at the accumulation boundary, on
+    the critical path, whatever the overlap), the update's `tables`."""
     lay = w.layout(option, cluster, hw)
     s, c = w.shape, rows_for(w.rows, lay)
     gpn = min(cluster.gpus_per_node, w.dp)
     rpn = gpn
     out: list[Component] = []
 
-    def add(name, resource, amount, unit, seconds, calls=0):
+    def add(name, resource, amount, unit, seconds, calls=0, phase="tables"):
         """`calls`: collectives issued (each costs the latency)."""
         if amount:
             out.append(Component(name, resource, amount, unit,
-                                 seconds + calls * hw.collective_latency, "tables"))
+                                 seconds + calls * hw.collective_latency, phase))
 
-    per_table = s.tables
+    T = s.tables
     sharded = lay.partition == "sharded"
-    ids = traffic.id_exchange_bytes(s, lay, c)
-    # replicated: a count and an id all-gather (device placement: per table); sharded:
-    # the counts and the ids, all-to-all
-    id_calls = 2 * (per_table if lay.placement == "device" and not sharded else 1)
-    add("row ids exchange", "net", ids, "B", _ring_seconds(ids, w.dp, 1, hw, gpn), id_calls)
+    sync = "sync" if option.overlap in ("none", "next_step") else "tables"
+    ids = traffic.index_bytes(s, lay, c)
+    if sharded:  # counts and ids to owners, all-to-all (next_step: twice)
+        add("row ids and counts (all-to-all)", "net", ids, "B",
+            hw.alltoall_seconds(ids, w.dp, cluster.gpus_per_node), 2, sync)
+    else:  # padded ids all-gathered (device placement: per table)
+        add("row ids all-gather", "net", ids, "B", _ring_seconds(ids, w.dp, 1, hw, gpn),
+            2 * (T if lay.placement == "device" else 1), sync)
     b = traffic.grad_allreduce_bytes(s, lay, c)
     add("grad all-reduce of the union (fp32)", "net", b, "B",
-        _ring_seconds(b, w.dp, 2, hw, gpn), per_table)
+        _ring_seconds(b, w.dp, 2, hw, gpn), T, sync)
     b = traffic.grad_reduce_bytes(s, lay, c)
     add("grad reduce to owners in node (fp32)", "net", b, "B",
         _ring_seconds(b, lay.ranks_per_copy, 1, hw, lay.ranks_per_copy),
-        per_table * lay.ranks_per_copy)  # one reduce per owner's chunk
+        T * lay.ranks_per_copy, sync)  # one reduce per owner's chunk
     b = traffic.cross_copy_allreduce_bytes(s, lay, c)
     add("owned grads all-reduce across nodes (fp32)", "net", b, "B",
-        _ring_seconds(b, lay.copies, 2, hw, 1), per_table)
+        _ring_seconds(b, lay.copies, 2, hw, 1), T, sync)
     b = traffic.grads_to_owners_bytes(s, lay, c)
     add("grads to owners (all-to-all)", "net", b, "B",
-        hw.alltoall_seconds(b, w.dp, cluster.gpus_per_node) * w.owner_skew, per_table)
-    pinned = lay.partition == "sharded"
+        hw.alltoall_seconds(b, w.dp, cluster.gpus_per_node) * w.owner_skew, 1, sync)
+    pinned = sharded
     kind = "pinned" if pinned else "pageable"
-    b = traffic.grad_d2h_bytes(s, lay, c)
-    add(f"D2H grads ({kind})", "d2h", b, "B", b / hw.copy_bw(pinned, rpn))
-    elems = traffic.cpu_adam_elements(s, lay, c)
-    add("CPU Adam", "cpu", elems, "elem", hw.cpu_adam_seconds(elems, rpn, w.kernel))
-    if elems and lay.update == "lazy":
-        # index_select of master and moments into contiguous buffers, index_copy back
-        b = elems * 3 * traffic.FP32 * 2
-        add("lazy row gather/scatter (CPU)", "cpu", b, "B", b / hw.node_share(hw.gather_bw, rpn))
-    g = traffic.gpu_adam_elements(s, lay, c)
-    add("GPU Adam (owned rows)", "mem", g, "elem",
-        g * hw.adam_bytes_per_element / hw.memory_bw)
-    h2d = traffic.writeback_h2d_bytes(s, lay, c)
-    if h2d and lay.placement == "device" and not (lay.partition == "replicated"
-                                                   and lay.update == "dense"):
-        elems = h2d / lay.param_bytes
-        b = elems * (traffic.FP32 + lay.param_bytes)
+    b = traffic.d2h_bytes(s, lay, c)
+    add(f"D2H grads ({kind})", "d2h", b, "B", b / hw.copy_bw(pinned, rpn), 0, sync)
+    elems = traffic.adam_elements(s, lay, c)
+    if lay.optimizer == "cpu":
+        add("CPU Adam", "cpu", elems, "elem", hw.cpu_adam_seconds(elems, rpn, w.kernel))
+        if lay.update == "lazy" or lay.overlap == "next_step":
+            # index_select of master and moments into contiguous buffers, index_copy back
+            b = elems * 3 * traffic.FP32 * 2
+            add("row gather/scatter of the state (CPU)", "cpu", b, "B",
+                b / hw.node_share(hw.gather_bw, rpn))
+    else:
+        add("accelerator Adam (owned rows)", "mem", elems, "elem",
+            elems * hw.adam_bytes_per_element / hw.memory_bw)
+    h2d = traffic.h2d_bytes(s, lay, c)
+    if h2d and not (lay.partition == "replicated" and lay.update == "dense"):
+        b = h2d / lay.param_bytes * (traffic.FP32 + lay.param_bytes)
         add("cast updated rows on CPU", "cpu", b, "B", b / hw.node_share(hw.dram_bw, rpn))
     add(f"H2D updated rows ({kind})", "h2d", h2d, "B", h2d / hw.copy_bw(pinned, rpn))
-    ag = traffic.allgather_bytes(s, lay, c)
+    ag = traffic.gather_bytes(s, lay, c)
+    phases = 2 if lay.overlap == "next_step" else 1
     if lay.placement == "device":
-        add("all-gather updated rows", "net", ag, "B", _ring_seconds(ag, w.dp, 1, hw, gpn),
-            per_table)
+        add("all-gather updated rows", "net", ag, "B", ag / hw.ring_busbw(w.dp, gpn),
+            T * phases * (2 if traffic.padded_gathers(lay) else 1))
     else:
         add("all-gather updated rows across nodes (fp32)", "net", ag, "B",
-            _ring_seconds(ag, lay.copies, 1, hw, 1), per_table)
-    b = traffic.peer_rows_d2h_bytes(s, lay, c)
-    add("D2H rows from other nodes (pinned)", "d2h", b, "B", b / hw.copy_bw(True, rpn))
+            ag / hw.ring_busbw(lay.copies, 1), T)
     return out, lay
 
 
@@ -393,16 +419,17 @@ def _earliest_gap(busy: list[tuple[float, float]], start: float, length: float) 
 
 
 def _flow_shop(jobs: list[tuple[float, list[Component]]], chunks: int,
-               blocked: dict[str, tuple[float, float]]) -> float:
-    """When the last job is done: jobs (ready time, stages), each in `chunks` pieces; a
+               blocked: dict[str, tuple[float, float]]) -> list[float]:
+    """When each job is done: jobs (ready time, stages), each in `chunks` pieces; a
     piece's stage starts when its previous stage is done and its resource has a free gap
     that long (resources: the network, each copy direction, the CPU, the device memory;
     `blocked` reserves a resource for a while, e.g. the network for the backbone)."""
     busy: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for res, window in blocked.items():
         busy[res].append(window)
-    end = 0.0
+    ends = []
     for ready, stages in jobs:
+        end = ready
         for _ in range(chunks):
             t = ready
             for st in stages:
@@ -412,35 +439,61 @@ def _flow_shop(jobs: list[tuple[float, list[Component]]], chunks: int,
                 busy[st.resource].sort()
                 t = start + d
             end = max(end, t)
-    return end
+        ends.append(end)
+    return ends
+
+
+def _scaled(stages: list[Component], share: float) -> list[Component]:
+    return [replace(c, seconds=c.seconds * share) for c in stages]
 
 
 def _layer_share_below(w: Workload, layer: int) -> float:
-    """Share of one micro-batch's backward still to run once `layer`'s grads are final."""
+    """Share of one micro-batch's backward (or forward) spent in the layers below `layer`."""
     return (1 - w.head_share) * layer / w.num_layers
 
 
 def exposed_table_seconds(w: Workload, option: Option, tables: list[Component],
-                          compute_s: float, backbone: list[Component]) -> float:
-    serial = sum(c.seconds for c in tables)
+                          compute_s: float, backbone: list[Component],
+                          first_share: float = 1.0) -> float:
+    """The update's seconds the step waits for (the gradient sync's are counted apart,
+    except under `backward`/`delayed`, where `tables` holds them too)."""
     if option.overlap == "none" or not tables:
-        return serial
-    per_table = [replace(c, seconds=c.seconds / w.shape.tables) for c in tables]
+        return sum(c.seconds for c in tables)
+    n = w.shape.tables
     bb_net = sum(c.seconds for c in backbone if c.resource == "net")
     bb_s = sum(c.seconds for c in backbone)
+    forward_mb = compute_s / w.microbatches / 3
+    if option.overlap == "next_step":
+        # from the next step's start: each table's rows that step reads, in forward order,
+        # then the rest; a table's first lookup waits for its rows, the next gradient sync
+        # (after that step's backward) for everything
+        layers = sorted(w.stem_layers)
+        first = _scaled(tables, first_share / n)
+        rest = _scaled(tables, (1 - first_share) / n)
+        ends = _flow_shop([(0.0, first)] * n + [(0.0, rest)] * n, CHUNKS_PER_TABLE, {})
+        wait = max(0.0, *(end - forward_mb * _layer_share_below(w, layer)
+                          for end, layer in zip(ends[:n], layers)))
+        return wait + max(0.0, max(ends) - wait - compute_s)
+    per_table = _scaled(tables, 1 / n)
+    blocked = {"net": (compute_s, compute_s + bb_net)}
     if option.overlap == "delayed":
-        jobs = [(0.0, per_table)] * w.shape.tables
-        finish = _flow_shop(jobs, CHUNKS_PER_TABLE, {"net": (compute_s, compute_s + bb_net)})
-        return max(0.0, finish - (compute_s + bb_s))
-    backward_mb = compute_s / w.microbatches * 2 / 3
+        ends = _flow_shop([(0.0, per_table)] * n, CHUNKS_PER_TABLE, blocked)
+        return max(0.0, max(ends) - (compute_s + bb_s))
+    backward_mb = 2 * forward_mb
     jobs = [(compute_s - backward_mb * _layer_share_below(w, layer), per_table)
             for layer in sorted(w.stem_layers, reverse=True)]
-    finish = _flow_shop(jobs, CHUNKS_PER_TABLE, {"net": (compute_s, compute_s + bb_net)})
     window = compute_s + bb_s
     if option.placement == "device":  # the next forward runs until its first STEM layer
-        forward_mb = compute_s / w.microbatches / 3
-        window += forward_mb * (1 - w.head_share) * min(w.stem_layers) / w.num_layers
-    return max(0.0, finish - window)
+        window += forward_mb * _layer_share_below(w, min(w.stem_layers))
+    return max(0.0, max(_flow_shop(jobs, CHUNKS_PER_TABLE, blocked)) - window)
+
+
+def first_share(w: Workload, lay: Layout) -> float:
+    """`next_step`: the share of the update the next step reads (its rows over DP among
+    the rows that change: all rows for `dense`, about all changed rows for `lazy`)."""
+    if lay.update == "lazy":
+        return 1.0
+    return min(1.0, w.rows.union_rows / w.shape.rows)
 
 
 def exposed_staging_seconds(w: Workload, staging: list[Component], compute_s: float) -> float:
@@ -458,7 +511,7 @@ def memory_check(w: Workload, lay: Layout | None, hw: Hardware, cluster: Cluster
     device = w.backbone_params * (2 * w.dtype_bytes + BACKBONE_OPTIMIZER_BYTES_PER_PARAM / w.dp)
     device += w.activation_bytes
     if lay is not None:
-        device += traffic.gpu_state_bytes(w.shape, lay)
+        device += traffic.device_state_bytes(w.shape, lay)
     if not hw.device_is_host and device > hw.memory_bytes:
         return f"device memory {device / 1e9:.0f} GB > {hw.memory_bytes / 1e9:.0f} GB"
     if lay is not None and host_memory_bytes:
@@ -482,10 +535,13 @@ def plan(w: Workload, option: Option | None, cluster: Cluster, hw: Hardware,
     exposed = 0.0
     lay = None
     if option is not None and w.shape.tables:
-        tables, lay = table_components(w, option, cluster, hw)
+        path, lay = table_components(w, option, cluster, hw)
         staging = staging_components(w, lay, cluster, hw)
-        components += tables + staging
-        exposed = exposed_table_seconds(w, option, tables, compute_s, backbone) + \
+        components += path + staging
+        update = [c for c in path if c.phase == "tables"]
+        exposed = sum(c.seconds for c in path if c.phase == "sync") + \
+            exposed_table_seconds(w, option, update, compute_s, backbone,
+                                  first_share(w, lay)) + \
             exposed_staging_seconds(w, staging, compute_s)
     step = compute_s + sum(c.seconds for c in backbone) + exposed
     why = memory_check(w, lay, hw, cluster, host_memory_bytes)
@@ -500,14 +556,15 @@ def rank(w: Workload, cluster: Cluster, hw: Hardware,
     fast ones (their table paths all hidden), the one whose path does less work."""
     plans = [plan(w, o, cluster, hw, host_memory_bytes) for o in all_options()]
     return sorted(plans, key=lambda p: (not p.fits, p.step_s,
-                                        p.seconds("tables") + p.seconds("staging")))
+                                        p.table_seconds))
 
 
 def best(plans: list[Plan], states: str = "cpu") -> Plan:
-    """The fastest exact option that fits; `states="cpu"`: with the tables' optimizer
-    states in CPU memory (the design's constraint), `"any"`: GPU states may compete."""
-    ok = [p for p in plans if p.fits and p.option.exact
+    """The fastest exact option the code has that fits; `states="cpu"`: with the tables'
+    optimizer states in CPU memory (the design's constraint for 1B), `"any"`: on the
+    accelerator too."""
+    ok = [p for p in plans if p.fits and p.option.exact and p.option.implemented
           and (states == "any" or p.option.optimizer == "cpu")]
     if not ok:
-        raise UserError("no exact table option fits this hardware's memory")
+        raise UserError("no exact table option of the code fits this hardware's memory")
     return ok[0]
