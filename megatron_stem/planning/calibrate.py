@@ -161,8 +161,13 @@ def copy_link_rates(nbytes: int = 1 << 30) -> dict:
     out = {}
     for name, pinned in (("pinned", True), ("pageable", False)):
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-        h2d = _best(lambda: (dev.copy_(host, non_blocking=pinned), _synchronize()), 3)
-        d2h = _best(lambda: (host.copy_(dev, non_blocking=pinned), _synchronize()), 3)
+
+        def copy(dst, src, pinned=pinned):
+            dst.copy_(src, non_blocking=pinned)
+            _synchronize()
+
+        h2d = _best(lambda host=host: copy(dev, host), 3)
+        d2h = _best(lambda host=host: copy(host, dev), 3)
         out[name] = nbytes / max(h2d, d2h)
     other = torch.empty_like(dev)
     out["device"] = 2 * nbytes / _best(lambda: (other.copy_(dev), _synchronize()), 5)
