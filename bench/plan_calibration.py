@@ -2,13 +2,12 @@
 component, side by side.
 
     python bench/plan_calibration.py [--dp 2,4] [--variants device/dense/sharded,...]
-        [--steps 3] [--calibrate]
+        [--steps 2] [--calibrate] [--clock cpu|wall] [--preset cpu|gpu-1b|tiny]
 
-A mid-size STEM model (megatron_stem/planning/calibrate.py: vocab 32k, d 256, d_ff 1024,
+A mid-size STEM model (megatron_stem/planning/calibrate.py: vocab 32k, d 256, d_ff 512,
 8 layers, 4 STEM at 1/2, seq 256, micro-batch 2, fp32) trains on real text (the shipped
 corpus through a 32k BPE model) under torchrun with gloo, at each DP size, each variant
-(placement/update[/partition], the partition where the config has one), the real engine
-and table optimizer. Each step is timed in parts: forward/backward of the micro-batches,
+(placement/update/partition[/overlap]), through the real engine and table optimizer. Each step is timed in parts: forward/backward of the micro-batches,
 the tables' gradient sync, the backbone's ZeRO step, the tables' update. The planner
 (`cpu` profile, measured once and cached; --calibrate re-measures) predicts the same parts
 from the Zipf row model, and again from the row counts the run measured. Target: within
@@ -249,7 +248,7 @@ def main() -> None:
                     "device/lazy/sharded,host/dense/sharded,device/dense/sharded/next_step",
                     help="dense, or placement/update/partition[/overlap], comma-separated")
     ap.add_argument("--microbatches", type=int, default=2, help="per rank per step")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=2, help="measured steps (after a first)")
     ap.add_argument("--calibrate", action="store_true", help="re-measure the cpu profile")
     ap.add_argument("--preset", default="cpu", choices=["cpu", "gpu-1b", "tiny"],
                     help="model shape: cpu (the calibration shape), gpu-1b, tiny (dry run)")

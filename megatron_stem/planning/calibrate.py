@@ -4,7 +4,8 @@ Per core (one thread, as each training rank runs): DeepSpeed's CPU Adam kernel a
 same update in torch ops (elements/s), a row gather and a plain copy (GB/s, also with all
 cores: the node's rate), the forward/backward FLOP/s of the calibration model (a dense
 model of the mid-size shape bench/plan_calibration.py trains), and gloo's all-reduce bus
-bandwidth and all-to-all bandwidth and the latency of a one-element all-reduce on two ranks. Each figure is the best of a few repeats (other jobs on the
+bandwidth and all-to-all bandwidth, all-gather bandwidth and the latency of a one-element all-reduce on two
+ranks. Each figure is the best of a few repeats (other jobs on the
 machine only ever slow a run down); one-thread figures are timed in CPU time.
 
     python -m megatron_stem.planning.calibrate   # prints the profile, caches it
@@ -29,9 +30,10 @@ from megatron_stem.config import ModelConfig
 from megatron_stem.planning.hardware import CACHE_DIR, Hardware, save
 
 # The calibration shape: 32k vocabulary (the shipped corpus through a 32k BPE model), four
-# STEM layers of eight, sized so DP4 fits in this machine's memory with replicated tables.
+# STEM layers of eight, sized so DP4 with replicated tables fits in this shared machine's
+# memory (d_ff 1024 was killed for memory at DP4 while other jobs ran).
 CALIBRATION_MODEL = dict(hidden_size=256, num_layers=8, num_attention_heads=4,
-                         num_query_groups=2, ffn_hidden_size=1024, vocab_size=32000,
+                         num_query_groups=2, ffn_hidden_size=512, vocab_size=32000,
                          seq_length=256, rotary_base=10000.0)
 MICRO_BATCH = 2
 
@@ -194,11 +196,14 @@ def _gloo_worker(rank: int, world: int, path: str, out: str) -> None:
     latency = _best(barrier_then(lambda: dist.all_reduce(tiny)), 20, time.perf_counter)
     ar = _best(barrier_then(lambda: dist.all_reduce(x)), 4, time.perf_counter)
     a2a = _best(barrier_then(lambda: dist.all_to_all(parts, sends)), 4, time.perf_counter)
+    shard = torch.ones(n // world)
+    ag = _best(barrier_then(lambda: dist.all_gather(parts, shard)), 4, time.perf_counter)
     if rank == 0:
         busbw = 2 * n * 4 * (world - 1) / world / ar
         a2a_bw = n * 4 * (world - 1) / world / a2a  # bytes sent to the other ranks
         with open(out, "w") as f:
             json.dump({"allreduce_busbw": busbw, "alltoall_bw": a2a_bw,
+                       "allgather_bw": n * 4 * (world - 1) / world / ag,  # received
                        "latency": latency}, f)
     dist.destroy_process_group()
 
@@ -236,7 +241,8 @@ def measure_cpu() -> Hardware:
         gather_bw=max(gather_n, gather1), cpu_adam_rate=ds, torch_adam_rate=pt, cores=cores,
         backbone_adam_rate=backbone,
         device_is_host=True, gloo_allreduce_busbw=gloo["allreduce_busbw"],
-        gloo_alltoall_bw=gloo["alltoall_bw"], collective_latency=gloo["latency"])
+        gloo_alltoall_bw=gloo["alltoall_bw"], gloo_allgather_bw=gloo["allgather_bw"],
+        collective_latency=gloo["latency"])
 
 
 def _in_fresh_process(call: str, threads: int | None = None) -> float:

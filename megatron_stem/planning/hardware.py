@@ -70,6 +70,7 @@ class Hardware:
     device_is_host: bool = False
     gloo_allreduce_busbw: float = 0.0
     gloo_alltoall_bw: float = 0.0
+    gloo_allgather_bw: float = 0.0  # bytes received per second per rank
 
     # -- rates ---------------------------------------------------------------------------
 
@@ -105,6 +106,17 @@ class Hardware:
             g = gpus_per_node
             link = min(self.nvlink_bw * g / max(g - 1, 1), self.nics_per_node * self.nic_bw)
         return link * self.collective_efficiency
+
+    def allgather_seconds(self, received_bytes: float, ranks: int,
+                          ranks_per_node: int) -> float:
+        """All-gather in which this rank receives `received_bytes` from the others: the
+        ring's bus bandwidth on GPUs; gloo's measured all-gather rate on the CPU profile
+        (its all-gather is not its all-reduce's algorithm)."""
+        if ranks <= 1 or received_bytes == 0:
+            return 0.0
+        if self.device_is_host and self.gloo_allgather_bw:
+            return received_bytes / (self.gloo_allgather_bw * self.threads_per_rank(ranks))
+        return received_bytes / self.ring_busbw(ranks, ranks_per_node)
 
     def alltoall_seconds(self, sent_bytes: float, ranks: int, gpus_per_node: int) -> float:
         """All-to-all in which this rank sends `sent_bytes` to the other ranks, evenly: the

@@ -314,8 +314,9 @@ def backbone_components(w: Workload, cluster: Cluster, hw: Hardware) -> list[Com
     bw = hw.memory_bw if not hw.device_is_host else hw.memory_bw * hw.threads_per_rank(rpn)
     out.append(Component("backbone ZeRO bookkeeping (memory)", "mem", b, "B", b / bw,
                          "backbone"))
-    out.append(Component("backbone param all-gather", "net", grads, "B",
-                         _ring_seconds(grads, dp, 1, hw, rpn), "backbone"))
+    received = grads * (dp - 1) / dp
+    out.append(Component("backbone param all-gather", "net", received, "B",
+                         hw.allgather_seconds(received, dp, rpn), "backbone"))
     return out
 
 
@@ -382,11 +383,11 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
     ag = traffic.gather_bytes(s, lay, c)
     phases = 2 if lay.overlap == "next_step" else 1
     if lay.placement == "device":
-        add("all-gather updated rows", "net", ag, "B", ag / hw.ring_busbw(w.dp, gpn),
+        add("all-gather updated rows", "net", ag, "B", hw.allgather_seconds(ag, w.dp, gpn),
             T * phases * (2 if traffic.padded_gathers(lay) else 1))
     else:
         add("all-gather updated rows across nodes (fp32)", "net", ag, "B",
-            ag / hw.ring_busbw(lay.copies, 1), T)
+            hw.allgather_seconds(ag, lay.copies, 1), T)
     return out, lay
 
 
