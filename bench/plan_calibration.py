@@ -234,7 +234,8 @@ def predict(variant: str, dp: int, args, hw, rows: dict | None):
         parts["step"] = sum(c.seconds for c in p.components)
     else:
         parts["step"] = p.step_s
-    parts.update({k.split("/")[1]: v for k, v in p.counters.items()})
+    parts.update({"comm_bytes": 0, "adam_elements": 0} |
+                 {k.split("/")[1]: v for k, v in p.counters.items()})
     return parts, w.rows
 
 
