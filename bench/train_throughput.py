@@ -15,9 +15,14 @@ import torch
 from megatron_stem.accounting import account
 from megatron_stem.config import ModelConfig, ParallelConfig, Recipe, TrainConfig
 from megatron_stem.model import build_model
-from megatron_stem.parallel import destroy_distributed, init_distributed
+from megatron_stem.parallel import destroy_distributed, device, init_distributed
 from megatron_stem.train import train_step
 from megatron_stem.training.engine import build_engine, clip_coefficient
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def tokens_per_s(recipe: Recipe, steps: int) -> float:
@@ -28,13 +33,17 @@ def tokens_per_s(recipe: Recipe, steps: int) -> float:
     seq = torch.randint(0, recipe.model.vocab_size,
                         (t.global_batch_size // t.micro_batch_size, t.micro_batch_size,
                          recipe.model.seq_length + 1), generator=g)
-    batches = [{"tokens": s[:, :-1], "labels": s[:, 1:], "loss_mask": torch.ones(s[:, 1:].shape)}
-               for s in seq]
+    # On the model's device, as the trainer's StepBatches hands them over.
+    batches = [{"tokens": s[:, :-1], "labels": s[:, 1:],
+                "loss_mask": torch.ones(s[:, 1:].shape, device=s.device)}
+               for s in seq.to(device())]
     for i in range(steps + 1):
         if i == 1:  # the first step allocates optimizer state
+            _synchronize()
             start = time.perf_counter()
         train_step(engine, tables, batches)
         tables.step(1e-3, clip_coefficient(norms, recipe.optimizer.clip_grad))
+    _synchronize()
     return steps * t.global_batch_size * recipe.model.seq_length / (time.perf_counter() - start)
 
 

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Everything the planner needs from one H200, in one run of under 8 minutes:
+#  1. refit the `h200` profile's single-GPU constants (achieved MFU of the forward/backward
+#     at the 1B layer shapes in bf16, HBM, pinned and pageable host<->device copies, the
+#     host's CPU Adam, DRAM and gather rates; NVLink and InfiniBand stay published);
+#  2. dense vs STEM step time at the 1B layer shapes cut to 4 layers (d 2048, 32/8 heads,
+#     d_ff 8192, vocab 128,256, seq 2048, STEM at layers 1 and 3: two tables of
+#     128,256 x 8,192), 4 micro-batches of 4 x 2048 real-text tokens, every placement and
+#     update, each part of the step timed (forward/backward, table grad sync, backbone
+#     ZeRO step, table update, staging wait) next to the refit planner's prediction;
+#  3. the planner's tables for the 1B pair on 4 x 8 H200 with the refit constants.
+# Writes to $OUT: h200.json (the fitted profile), components.txt, plan_today.txt,
+# plan_best.txt. Needs the wheels of bench/gpu/prepare.sh in .whl/ (carried: ".whl").
+#   bash bench/gpu/run_all.sh                    # on the GPU machine
+#   DRY_RUN=1 bash bench/gpu/run_all.sh          # here: the same steps at toy sizes on CPU
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-$(mktemp -d)}"
+mkdir -p "$OUT"
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+    PY="${PYTHON:-python3}"
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    TINY=(--tiny); PRESET=tiny; STEPS=1
+else
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+    PY=python3
+    TINY=(); PRESET=gpu-1b; STEPS=2
+    export TORCH_EXTENSIONS_DIR=/tmp/torch_extensions  # DeepSpeed's JIT ops
+fi
+PROFILE="$OUT/h200.json"
+start=$SECONDS
+stamp() { echo "[run_all] $(( SECONDS - start )) s: $*"; }
+
+# DeepSpeed's CPU Adam JIT-builds on first use (about a minute); without it the tables
+# run the torch kernel and the profile keeps the torch rate for both.
+stamp "building DeepSpeed cpu_adam"
+KERNEL=deepspeed
+timeout 240 "$PY" -c "from megatron_stem.training.engine import set_extensions_cache as s; s()
+from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
+    > "$OUT/cpu_adam_build.log" 2>&1 || { KERNEL=torch; stamp "cpu_adam unavailable: torch kernel"; }
+
+stamp "refitting the h200 profile"
+timeout 150 "$PY" -m megatron_stem.planning.calibrate --gpu h200 "${TINY[@]}" \
+    --kernel "$KERNEL" --out "$PROFILE" > "$OUT/calibrate.log" 2>&1 \
+    || { tail -20 "$OUT/calibrate.log"; exit 1; }
+cat "$PROFILE"
+
+stamp "dense vs STEM steps, each part timed"
+timeout 300 "$PY" bench/plan_calibration.py --preset "$PRESET" --dp 1 --steps "$STEPS" \
+    --variants dense,device/dense/replicated,device/dense/sharded,device/lazy/sharded,host/dense/sharded,device/dense/sharded/next_step \
+    --kernel "$KERNEL" \
+    --profile "$PROFILE" 2> "$OUT/components.err" | tee "$OUT/components.txt"
+
+stamp "the planner on 4 x 8 H200 with the refit constants"
+PAIR=(--recipe recipes/stem_1b.yaml --baseline recipes/dense_1b.yaml --nodes 4
+      --gpus-per-node 8 --hardware h200 --profile "$PROFILE")
+"$PY" tools/plan_step.py "${PAIR[@]}" > "$OUT/plan_today.txt"
+"$PY" tools/plan_step.py "${PAIR[@]}" --choose best > "$OUT/plan_best.txt"
+tail -n 1 "$OUT/plan_today.txt" "$OUT/plan_best.txt"
+stamp "done; results in $OUT"

@@ -1,0 +1,335 @@
+"""The step planner against measured steps on this machine: predicted vs measured, per
+component, side by side.
+
+    python bench/plan_calibration.py [--dp 2,4] [--variants device/dense/sharded,...]
+        [--steps 2] [--calibrate] [--clock cpu|wall] [--preset cpu|gpu-1b|tiny]
+
+A mid-size STEM model (megatron_stem/planning/calibrate.py: vocab 32k, d 256, d_ff 512,
+8 layers, 4 STEM at 1/2, seq 256, micro-batch 2, fp32) trains on real text (the shipped
+corpus through a 32k BPE model) under torchrun with gloo, at each DP size, each variant
+(placement/update/partition[/overlap]), through the real engine and table optimizer. Each step is timed in parts: forward/backward of the micro-batches,
+the tables' gradient sync, the backbone's ZeRO step, the tables' update. The planner
+(`cpu` profile, measured once and cached; --calibrate re-measures) predicts the same parts
+from the Zipf row model, and again from the row counts the run measured. Target: within
+25% for every major component.
+
+Clocks: this machine's two cores are shared with other jobs, which inflate wall time at
+random, so on a CPU the parts are compared in each rank's CPU time (all its threads;
+`--clock wall` for an idle machine, and on GPUs, where it is the default) and the cpu
+profile's one-thread figures are CPU time too; the fastest measured step is compared
+(noise only ever slows a step), the slowest rank's.
+"""
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "data_corpus" / "gcide.jsonl.gz"
+
+
+# -- worker (one torchrun rank) -----------------------------------------------------------
+
+
+def _preset(name: str) -> tuple[dict, int, str]:
+    """(model shape, micro-batch size, dtype): `cpu` the calibration shape; `gpu-1b` the 1B
+    layer shapes cut to 4 layers (one H200); `tiny` a dry run of the GPU script on a CPU."""
+    from megatron_stem.planning import calibrate
+
+    return {"cpu": (calibrate.CALIBRATION_MODEL, calibrate.MICRO_BATCH, "fp32"),
+            "gpu-1b": (calibrate.GPU_MODEL_1B, 4, "bf16"),
+            "tiny": (calibrate.TINY_MODEL, 2, "fp32")}[name]
+
+
+def _recipe(variant: str, dp: int, microbatches: int, preset: str, kernel: str = "deepspeed"):
+    """`variant`: "dense" (the baseline) or placement/update/partition[/overlap]."""
+    from megatron_stem.config import ModelConfig, Recipe, TableOptimConfig, TrainConfig, from_dict
+
+    shape, micro, dtype = _preset(preset)
+    fields = dict(zip(("placement", "update", "partition", "overlap"), variant.split("/"))) \
+        if variant != "dense" else {}
+    tables = from_dict(TableOptimConfig, {**fields, "kernel": kernel})
+    stem = "none" if variant == "dense" else "1/2"
+    return Recipe(model=ModelConfig(**shape, stem_layers=stem), tables=tables,
+                  train=TrainConfig(micro_batch_size=micro, dtype=dtype,
+                                    global_batch_size=micro * microbatches * dp))
+
+
+def _microbatches(ids: np.ndarray, steps: int, per_step: int, micro: int, seq: int,
+                  rank: int, seed=0):
+    """Each rank's micro-batches of random text windows, step by step, on its device."""
+    from megatron_stem.parallel import device
+
+    rng = np.random.default_rng(seed + 1000 * rank)
+    out = []
+    for _ in range(steps):
+        mbs = []
+        for _ in range(per_step):
+            starts = rng.integers(0, ids.size - seq - 1, micro)
+            w = torch.from_numpy(np.stack([ids[s:s + seq + 1] for s in starts])).to(device())
+            mbs.append({"tokens": w[:, :-1].contiguous(), "labels": w[:, 1:].contiguous(),
+                        "loss_mask": torch.ones(micro, seq, device=w.device)})
+        out.append(mbs)
+    return out
+
+
+class PartTimer:
+    """Times the parts of a step in wall time and in this process's CPU time (all its
+    threads): on a shared machine other jobs inflate the first, not the second."""
+
+    def __init__(self):
+        self.wall, self.cpu = {}, {}
+        self._mark = self._now()
+
+    @staticmethod
+    def _now() -> tuple[float, float]:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter(), time.process_time()
+
+    def lap(self, part: str | None) -> None:
+        """Charge the time since the last lap to `part` (None: to nothing)."""
+        now = self._now()
+        if part is not None:
+            for clock, i in ((self.wall, 0), (self.cpu, 1)):
+                clock[part] = clock.get(part, 0.0) + now[i] - self._mark[i]
+        self._mark = now
+
+
+def timed_step(engine, tables, norms, mbs, next_mbs=None) -> dict:
+    """train.train_step + TableOptimizer.step (given the next step's ids, as the trainer
+    does for `overlap: next_step`), each part timed in both clocks."""
+    from megatron_stem.train import _token_mean_loss
+    from megatron_stem.training.engine import clip_coefficient
+
+    t = PartTimer()
+    tables.stage(mbs)
+    t.lap("compute")
+    for mb in mbs:
+        engine.backward(_token_mean_loss(engine, mb))
+        t.lap("compute")
+        if engine.is_gradient_accumulation_boundary():
+            tables.sync_grads()
+            t.lap("sync")
+        engine.step()
+        t.lap("backbone")
+    next_ids = [mb["tokens"] for mb in next_mbs] if next_mbs else None
+    tables.step(1e-3, clip_coefficient(norms, 1.0), next_ids=next_ids)
+    t.lap("table_step")
+    for clock in (t.wall, t.cpu):
+        clock["step"] = sum(clock.values())
+    # host tables: the forwards' wait for staged rows, out of the compute's wall time (in
+    # CPU time the staging threads' work is part of the compute: not separable)
+    wait = tables.host_stats().get("prefetch_wait_ms", 0.0) / 1e3
+    t.wall["compute"] -= wait
+    t.wall["staging_wait"], t.cpu["staging_wait"] = wait, 0.0
+    return {"wall": t.wall, "cpu": t.cpu}
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    from megatron_stem.model import build_model
+    from megatron_stem.parallel import destroy_distributed, init_distributed
+    from megatron_stem.training.engine import build_engine
+
+    ids = np.load(args.ids)
+    results = {}
+    recipe0 = _recipe("dense", 1, args.microbatches, args.preset)
+    init_distributed(recipe0.parallel)
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    steps = _microbatches(ids, args.steps + 2, args.microbatches,
+                          recipe0.train.micro_batch_size, recipe0.model.seq_length, rank)
+    for variant in args.variants.split(","):
+        recipe = _recipe(variant, dp, args.microbatches, args.preset, args.kernel)
+        torch.manual_seed(0)
+        engine, tables, norms = build_engine(build_model(
+            recipe.model, recipe.parallel, tables=recipe.tables), recipe)
+        times, rows = [], []
+        for i, (mbs, next_mbs) in enumerate(zip(steps, steps[1:])):
+            dist.barrier()
+            t = timed_step(engine, tables, norms, mbs, next_mbs)
+            stats = tables.stats()  # waits for a next_step update: its counters are in
+            t["comm_bytes"], t["adam_elements"] = stats["comm_bytes"], stats["adam_elements"]
+            if i:  # the first step allocates the optimizer states
+                times.append(t)
+            tokens = [mb["tokens"] for mb in mbs]
+            rows.append({"rank_rows": torch.unique(torch.cat([x.flatten() for x in tokens]))
+                         .numel(), "microbatch_rows": sum(torch.unique(x).numel()
+                                                          for x in tokens),
+                         "union_rows": tables.touched_rows})
+        tables.close()
+        del engine, tables, norms
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        # per clock the fastest step; over ranks the slowest; rows averaged
+        best = {clock: min((t[clock] for t in times), key=lambda p: p["step"])
+                for clock in ("wall", "cpu")}
+        mean_rows = {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
+        gathered = [None] * dp
+        counted = {k: times[-1][k] for k in ("comm_bytes", "adam_elements")}
+        dist.all_gather_object(gathered, (best, mean_rows, counted))
+        results[variant] = {
+            "parts": {clock: {k: max(g[0][clock][k] for g in gathered) for k in best[clock]}
+                      for clock in best},
+            "counted": gathered[0][2],
+            "rows": {k: statistics.mean(g[1][k] for g in gathered) for k in mean_rows}
+            | {"longest_rank_rows": max(g[1]["rank_rows"] for g in gathered)}}
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(results))
+    destroy_distributed()
+
+
+# -- launcher: predict, run, compare ------------------------------------------------------
+
+
+def text_ids(tmp: Path) -> Path:
+    """The corpus through a 32k BPE model (trained once, cached), as a .npy of ids."""
+    from megatron_stem.data.tokenizer_training import TokenizerTrainingConfig, train_sentencepiece
+    from megatron_stem.planning.hardware import CACHE_DIR
+    from megatron_stem.planning.rows import corpus_ids
+
+    model = CACHE_DIR / "gcide32k.model"
+    if not model.is_file():
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        train_sentencepiece(TokenizerTrainingConfig(
+            inputs=[str(CORPUS)], output_prefix=str(CACHE_DIR / "gcide32k"), vocab_size=32000,
+            threads=os.cpu_count() or 1), log=None)
+    path = tmp / "ids.npy"
+    np.save(path, corpus_ids(str(model), str(CORPUS)))
+    return path
+
+
+def predict(variant: str, dp: int, args, hw, rows: dict | None):
+    """The planner's parts for one variant: compute, sync, backbone, table step, staging."""
+    from megatron_stem.planning import step
+
+    recipe = _recipe(variant, dp, args.microbatches, args.preset, args.kernel)
+    cluster = step.Cluster(1, dp)
+    w = step.workload(recipe, cluster, rows_override=rows)
+    p = step.plan(w, None if variant == "dense" else step.configured_option(recipe),
+                  cluster, hw)
+    reduce = sum(c.seconds for c in p.components if c.name.startswith("backbone grad"))
+    # DeepSpeed reduces the backbone's grads inside the boundary micro-batch's backward
+    parts = {"compute": p.seconds("compute") + reduce,
+             "backbone": p.seconds("backbone") - reduce,
+             "sync": p.seconds("sync"), "table_step": p.seconds("tables"),
+             "staging_wait": step.exposed_staging_seconds(
+                 w, [c for c in p.components if c.phase == "staging"], p.seconds("compute"))}
+    if args.clock == "cpu":  # CPU time counts work, hidden or not; staging threads' too
+        parts["compute"] += p.seconds("staging")
+        parts["staging_wait"] = 0.0
+        parts["step"] = sum(c.seconds for c in p.components)
+    else:
+        parts["step"] = p.step_s
+    parts.update({"comm_bytes": 0, "adam_elements": 0} |
+                 {k.split("/")[1]: v for k, v in p.counters.items()})
+    return parts, w.rows
+
+
+PARTS = ("compute", "sync", "backbone", "table_step", "staging_wait", "step")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dp", default="2,4")
+    ap.add_argument("--variants", default="device/dense/replicated,device/dense/sharded,"
+                    "device/lazy/sharded,host/dense/sharded,device/dense/sharded/next_step",
+                    help="dense, or placement/update/partition[/overlap], comma-separated")
+    ap.add_argument("--microbatches", type=int, default=2, help="per rank per step")
+    ap.add_argument("--steps", type=int, default=2, help="measured steps (after a first)")
+    ap.add_argument("--calibrate", action="store_true", help="re-measure the cpu profile")
+    ap.add_argument("--preset", default="cpu", choices=["cpu", "gpu-1b", "tiny"],
+                    help="model shape: cpu (the calibration shape), gpu-1b, tiny (dry run)")
+    ap.add_argument("--kernel", default="deepspeed", choices=["deepspeed", "torch"],
+                    help="the tables' CPU Adam")
+    ap.add_argument("--clock", choices=["cpu", "wall"],
+                    help="compare in each rank's CPU time (default on a CPU: other jobs on "
+                         "a shared machine inflate wall time) or wall time (default on GPUs)")
+    ap.add_argument("--hardware", default="cpu", help="the planner's profile to predict with")
+    ap.add_argument("--profile", help="a profile JSON to predict with (bench/gpu/run_all.sh)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ids", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.clock is None:
+        args.clock = "wall" if torch.cuda.is_available() else "cpu"
+    from megatron_stem.planning import hardware
+
+    hw = hardware.read(args.profile) if args.profile else \
+        hardware.load(args.hardware, calibrate=args.calibrate)
+    print(f"{hw.name} profile: {hw.peak_flops * hw.mfu / 1e9:.1f} GFLOP/s per rank, CPU Adam "
+          f"{hw.cpu_adam_rate / 1e9:.2f} G elem/s per core, {hw.cores} cores; load average "
+          f"{os.getloadavg()[0]:.1f} at start")
+    worst = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        ids = text_ids(Path(tmp))
+        for dp in map(int, args.dp.split(",")):
+            out = Path(tmp) / f"dp{dp}.json"
+            # each rank its share of the cores (one thread each on this machine)
+            threads = max(1, len(os.sched_getaffinity(0)) // dp)
+            env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}" + os.environ.get(
+                "PYTHONPATH", ""), OMP_NUM_THREADS=str(threads))
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            f"--nproc_per_node={dp}", __file__, "--worker", "--ids", str(ids),
+                            "--out", str(out), "--variants", args.variants, "--steps",
+                            str(args.steps), "--microbatches", str(args.microbatches),
+                            "--preset", args.preset, "--kernel", args.kernel],
+                           check=True, env=env, stdout=subprocess.DEVNULL)
+            measured = json.loads(out.read_text())
+            for variant, m in measured.items():
+                # in CPU time no rank waits for a core: predict without time-sharing
+                hw_dp = hw if args.clock == "wall" else dataclasses.replace(
+                    hw, cores=max(hw.cores, dp))
+                zipf, modelled = predict(variant, dp, args, hw_dp, None)
+                seen = {k: round(v) for k, v in m["rows"].items()}
+                with_rows, _ = predict(variant, dp, args, hw_dp, seen)
+                parts = m["parts"][args.clock]
+                print(f"\nDP{dp} {variant}: rows per step rank {seen['rank_rows']} (Zipf "
+                      f"{modelled.rank_rows}), union {seen['union_rows']} (Zipf "
+                      f"{modelled.union_rows}), staged {seen['microbatch_rows']} (Zipf "
+                      f"{modelled.microbatch_rows}); rank 0 counted comm bytes "
+                      f"{m['counted']['comm_bytes']:,.0f} (planner {with_rows['comm_bytes']:,.0f}),"
+                      f" Adam elements {m['counted']['adam_elements']:,.0f} (planner "
+                      f"{with_rows['adam_elements']:,.0f})")
+                other = "cpu" if args.clock == "wall" else "wall"
+                print(f"  {'part (s)':<14}{'measured':>10}{'predicted':>11}{'ratio':>7}"
+                      f"{'w/ rows':>9}{'ratio':>7}   ({args.clock} time; step in {other} "
+                      f"time {m['parts'][other]['step']:.3f} s)")
+                for part in PARTS:
+                    got = parts[part]
+                    a, b = zipf[part], with_rows[part]
+                    if got < 0.005 and a < 0.005:
+                        continue  # below timer noise at this size
+                    ra, rb = a / max(got, 1e-9), b / max(got, 1e-9)
+                    note = ""
+                    if part == "table_step" and variant.endswith("next_step"):
+                        note = "  (runs during the next step: compare the steps)"
+                    elif got < 0.05 * parts["step"]:
+                        note = "  (minor: under 5% of the step)"
+                    else:
+                        worst = max(worst, abs(rb - 1))
+                    print(f"  {part:<14}{got:>10.3f}{a:>11.3f}{ra:>7.2f}{b:>9.3f}{rb:>7.2f}"
+                          f"{note}")
+    print(f"\nworst |predicted/measured - 1| over the major parts (measured rows): "
+          f"{worst:.0%}; load average "
+          f"{os.getloadavg()[0]:.1f} at end (this machine's 2 cores are shared)")
+
+
+if __name__ == "__main__":
+    main()

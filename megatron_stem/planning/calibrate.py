@@ -1,0 +1,314 @@
+"""Measure the `cpu` hardware profile on this machine.
+
+Per core (one thread, as each training rank runs): DeepSpeed's CPU Adam kernel and the
+same update in torch ops (elements/s), a row gather and a plain copy (GB/s, also with all
+cores: the node's rate), the forward/backward FLOP/s of the calibration model (a dense
+model of the mid-size shape bench/plan_calibration.py trains), and gloo's all-reduce bus
+bandwidth and all-to-all bandwidth, all-gather bandwidth and the latency of a one-element all-reduce on two
+ranks. Each figure is the best of a few repeats (other jobs on the
+machine only ever slow a run down); one-thread figures are timed in CPU time.
+
+    python -m megatron_stem.planning.calibrate   # prints the profile, caches it
+    python -m megatron_stem.planning.calibrate --gpu h200 --out h200.json  # on a GPU node
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_stem.config import ModelConfig
+from megatron_stem.planning.hardware import CACHE_DIR, Hardware, save
+
+# The calibration shape: 32k vocabulary (the shipped corpus through a 32k BPE model), four
+# STEM layers of eight, sized so DP4 with replicated tables fits in this shared machine's
+# memory (d_ff 1024 was killed for memory at DP4 while other jobs ran).
+CALIBRATION_MODEL = dict(hidden_size=256, num_layers=8, num_attention_heads=4,
+                         num_query_groups=2, ffn_hidden_size=512, vocab_size=32000,
+                         seq_length=256, rotary_base=10000.0)
+MICRO_BATCH = 2
+
+
+def _clock():
+    """One-thread CPU work is timed in this process's CPU time, which other jobs on a
+    shared machine do not inflate; anything threaded, waiting or on a GPU in wall time."""
+    if torch.get_num_threads() == 1 and not torch.cuda.is_available():
+        return time.process_time
+    return time.perf_counter
+
+
+def _best(fn, repeats: int = 5, clock=None) -> float:
+    clock = clock or _clock()
+    fn()  # warm-up: allocations, first-touch pages
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    return min(times)
+
+
+def adam_rate(kernel: str, elements: int = 1 << 25) -> float:
+    """Elements/s of one in-place AdamW update of contiguous fp32 tensors, one thread
+    (512 MB of state and grad: from DRAM, not the caches, as a table's update runs)."""
+    from megatron_stem.training.engine import set_extensions_cache
+    from megatron_stem.training.table_optim import AdamKernel
+
+    set_extensions_cache()
+    k = AdamKernel(kernel, (0.9, 0.95), 1e-8)
+    p, g, m, v = (torch.rand(elements) for _ in range(4))
+    step = iter(range(1, 1 << 30))
+    return elements / _best(lambda: k.update(next(step), 1e-3, 0.1, p, g, m, v))
+
+
+def optimizer_rate(elements: int = 1 << 25) -> float:
+    """Elements/s of torch.optim.AdamW's step (what DeepSpeed runs for the backbone with a
+    torch optimizer on CPU), one thread."""
+    param = torch.nn.Parameter(torch.rand(elements))
+    param.grad = torch.rand(elements)
+    opt = torch.optim.AdamW([param], lr=1e-3, weight_decay=0.1)
+    return elements / _best(opt.step)
+
+
+def copy_rates(rows: int = 65536, width: int = 1024, picked: int = 32768) -> tuple[float, float]:
+    """(gather, memcpy) bytes written per second at the current thread count."""
+    table = torch.randn(rows, width)
+    ids = torch.randperm(rows)[:picked].sort().values
+    out = torch.empty(picked, width)
+    src = torch.randn(picked, width)
+    nbytes = out.numel() * 4
+    gather = nbytes / _best(lambda: torch.index_select(table, 0, ids, out=out))
+    memcpy = nbytes / _best(lambda: out.copy_(src))
+    return gather, memcpy
+
+
+def compute_rate(model_kwargs: dict | None = None, micro_batch: int = MICRO_BATCH,
+                 dtype: str = "fp32", steps: int = 3, stem_layers: str = "none") -> float:
+    """Forward/backward seconds of a model (default: the dense calibration shape) on this
+    process's device, world of one; STEM tables give row-sparse grads, as in training."""
+    from megatron_stem.config import ParallelConfig
+    from megatron_stem.model import build_model
+    from megatron_stem.model.table import StemTable
+    from megatron_stem.parallel import destroy_distributed, device, init_distributed
+
+    model = ModelConfig(**(model_kwargs or CALIBRATION_MODEL), stem_layers=stem_layers)
+    init_distributed(ParallelConfig())
+    try:
+        net = build_model(model, ParallelConfig(), params_dtype=_DTYPES[dtype])
+        for m in net.modules():
+            if isinstance(m, StemTable):
+                m.sparse_grad = True
+        g = torch.Generator().manual_seed(0)
+        seq = torch.randint(0, model.vocab_size, (micro_batch, model.seq_length + 1),
+                            generator=g).to(device())
+
+        def fwd_bwd():
+            loss = net(seq[:, :-1], None, None, labels=seq[:, 1:]).float().mean()
+            loss.backward()
+            net.zero_grad(set_to_none=True)
+            _synchronize()
+
+        return _best(fwd_bwd, steps)
+    finally:
+        destroy_distributed()
+
+
+def compute_rates(model_kwargs: dict, micro_batch: int, dtype: str) -> tuple[float, float]:
+    """(FLOP/s of the dense model, bytes/s of the STEM tables' rows): the STEM model's
+    time beyond its FLOPs at the dense rate, charged to the four passes over its looked-up
+    rows that the planner counts (`table rows in fwd/bwd`)."""
+    from megatron_stem.config import Recipe
+    from megatron_stem.planning.step import training_flops_per_token
+
+    tokens = micro_batch * model_kwargs["seq_length"]
+    dense = ModelConfig(**model_kwargs)
+    stem = ModelConfig(**model_kwargs, stem_layers="1/2")
+    flops = training_flops_per_token(Recipe(model=dense)) * tokens / _in_fresh_process(
+        f"compute_rate({model_kwargs!r}, {micro_batch}, {dtype!r})", threads=_threads())
+    stem_s = _in_fresh_process(
+        f"compute_rate({model_kwargs!r}, {micro_batch}, {dtype!r}, stem_layers='1/2')",
+        threads=_threads())
+    extra = stem_s - training_flops_per_token(Recipe(model=stem)) * tokens / flops
+    rows = 4 * tokens * stem.ffn_hidden_size * len(stem.stem_layer_indices) * \
+        (2 if dtype == "bf16" else 4)
+    return flops, rows / max(extra, 1e-6)
+
+
+def _threads() -> int | None:
+    """One thread for a measurement of the CPU profile (a rank's), the default on GPUs."""
+    return None if torch.cuda.is_available() else 1
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def copy_link_rates(nbytes: int = 1 << 30) -> dict:
+    """Host<->device copy rates (the slower direction), pinned and pageable, and the
+    device memory's copy rate (bytes read + written), on a GPU."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = {}
+    for name, pinned in (("pinned", True), ("pageable", False)):
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+        def copy(dst, src, pinned=pinned):
+            dst.copy_(src, non_blocking=pinned)
+            _synchronize()
+
+        h2d = _best(lambda host=host: copy(dev, host), 3)
+        d2h = _best(lambda host=host: copy(host, dev), 3)
+        out[name] = nbytes / max(h2d, d2h)
+    other = torch.empty_like(dev)
+    out["device"] = 2 * nbytes / _best(lambda: (other.copy_(dev), _synchronize()), 5)
+    return out
+
+
+def _gloo_worker(rank: int, world: int, path: str, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    n = 1 << 22  # 16 MB of fp32
+    x = torch.ones(n)
+    parts = [torch.empty(n // world) for _ in range(world)]
+    sends = list(torch.ones(n).chunk(world))
+
+    def barrier_then(fn):
+        def run():
+            dist.barrier()
+            fn()
+        return run
+
+    tiny = torch.ones(1)
+    latency = _best(barrier_then(lambda: dist.all_reduce(tiny)), 20, time.perf_counter)
+    ar = _best(barrier_then(lambda: dist.all_reduce(x)), 4, time.perf_counter)
+    a2a = _best(barrier_then(lambda: dist.all_to_all(parts, sends)), 4, time.perf_counter)
+    shard = torch.ones(n // world)
+    ag = _best(barrier_then(lambda: dist.all_gather(parts, shard)), 4, time.perf_counter)
+    if rank == 0:
+        busbw = 2 * n * 4 * (world - 1) / world / ar
+        a2a_bw = n * 4 * (world - 1) / world / a2a  # bytes sent to the other ranks
+        with open(out, "w") as f:
+            json.dump({"allreduce_busbw": busbw, "alltoall_bw": a2a_bw,
+                       "allgather_bw": n * 4 * (world - 1) / world / ag,  # received
+                       "latency": latency}, f)
+    dist.destroy_process_group()
+
+
+def gloo_rates(world: int = 2) -> dict:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "gloo.json")
+        mp.spawn(_gloo_worker, args=(world, os.path.join(tmp, "store"), out), nprocs=world)
+        with open(out) as f:
+            return json.load(f)
+
+
+def measure_cpu() -> Hardware:
+    """The `cpu` profile, measured now (about a minute)."""
+    cores = len(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ds, pt = adam_rate("deepspeed"), adam_rate("torch")
+        backbone = optimizer_rate()
+        gather1, memcpy1 = copy_rates()
+        torch.set_num_threads(cores)
+        gather_n, memcpy_n = copy_rates()
+    finally:
+        torch.set_num_threads(threads)
+    flops, table_bw = compute_rates(CALIBRATION_MODEL, MICRO_BATCH, "fp32")
+    gloo = gloo_rates()
+    return Hardware(
+        name="cpu", peak_flops=flops, mfu=1.0, memory_bw=memcpy1, table_rows_bw=table_bw,
+        memory_bytes=0.0,
+        nvlink_bw=0.0, nic_bw=0.0, nics_per_node=0, pinned_copy_bw=memcpy1,
+        pageable_copy_bw=memcpy1, dram_bw=max(memcpy_n, memcpy1) * 2,  # read + write
+        gather_bw=max(gather_n, gather1), cpu_adam_rate=ds, torch_adam_rate=pt, cores=cores,
+        backbone_adam_rate=backbone,
+        device_is_host=True, gloo_allreduce_busbw=gloo["allreduce_busbw"],
+        gloo_alltoall_bw=gloo["alltoall_bw"], gloo_allgather_bw=gloo["allgather_bw"],
+        collective_latency=gloo["latency"])
+
+
+def _in_fresh_process(call: str, threads: int | None = None) -> float:
+    """A measurement that initializes torch.distributed, in a child process."""
+    code = "import torch\n"
+    if threads:
+        code += f"torch.set_num_threads({threads})\n"
+    code += f"from megatron_stem.planning.calibrate import *\nprint({call})"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True).stdout
+    return float(out.split()[-1])
+
+
+# The 1B model's layer shapes (Llama-3.2-1B) cut to a few layers: what one GPU measures.
+GPU_MODEL_1B = dict(hidden_size=2048, num_layers=4, num_attention_heads=32,
+                    num_query_groups=8, ffn_hidden_size=8192, vocab_size=128256,
+                    seq_length=2048, rotary_base=500000.0)
+# The same code path at toy sizes, for a dry run of bench/gpu/run_all.sh on a CPU.
+TINY_MODEL = dict(hidden_size=64, num_layers=4, num_attention_heads=4, num_query_groups=2,
+                  ffn_hidden_size=128, vocab_size=32000, seq_length=64, rotary_base=10000.0)
+
+
+def measure_gpu(name: str, tiny: bool = False, kernel: str = "deepspeed") -> Hardware:
+    """Refit a GPU profile's single-node constants on the GPU of this machine: achieved
+    MFU of the forward/backward at the 1B layer shapes (bf16), HBM copy rate, pinned and
+    pageable host<->device rates, and this host's CPU Adam, DRAM and gather rates. NVLink
+    and InfiniBand stay published (one GPU cannot measure them). `tiny`: the same steps
+    at toy sizes, on whatever device there is (a dry run). `kernel: torch` where
+    DeepSpeed's CPU Adam cannot be built: its rate is then the torch kernel's."""
+    from megatron_stem.planning.hardware import PUBLISHED
+
+    base = PUBLISHED[name]
+    cores = len(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    size = 1 << (20 if tiny else 25)
+    try:
+        pt = adam_rate("torch", size)
+        ds = adam_rate("deepspeed", size) if kernel == "deepspeed" else pt
+        torch.set_num_threads(cores)
+        gather, memcpy = copy_rates(*((4096, 256, 1024) if tiny else ()))
+    finally:
+        torch.set_num_threads(threads)
+    model, mbs = (TINY_MODEL, 2) if tiny else (GPU_MODEL_1B, 4)
+    flops, table_bw = compute_rates(model, mbs, "bf16")
+    fit = dict(mfu=min(1.0, flops / base.peak_flops), cpu_adam_rate=ds, torch_adam_rate=pt,
+               cores=cores, dram_bw=2 * memcpy, gather_bw=gather, table_rows_bw=table_bw)
+    if torch.cuda.is_available():
+        links = copy_link_rates(1 << (24 if tiny else 30))
+        fit.update(pinned_copy_bw=links["pinned"], pageable_copy_bw=links["pageable"],
+                   memory_bw=links["device"])
+    return dataclasses.replace(base, **fit)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Measure a hardware profile on this machine")
+    ap.add_argument("--gpu", choices=["h100", "h200"], help="refit this GPU profile")
+    ap.add_argument("--tiny", action="store_true", help="toy sizes (a dry run)")
+    ap.add_argument("--kernel", default="deepspeed", choices=["deepspeed", "torch"],
+                    help="the CPU Adam the tables will run (torch: DeepSpeed's cannot build)")
+    ap.add_argument("--out", help="where to write the profile (default: the planner's cache)")
+    args = ap.parse_args()
+    hw = measure_gpu(args.gpu, args.tiny, args.kernel) if args.gpu else measure_cpu()
+    save(hw, Path(args.out) if args.out else CACHE_DIR / f"{hw.name}.json")
+    print(hw.to_json())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""The step planner (megatron_stem/planning, tools/plan_step.py): its counters against
+hand-computed bytes, its timeline, its CLI."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from megatron_stem.config import ModelConfig, Recipe, TrainConfig
+from megatron_stem.planning import hardware, report, rows, step, traffic
+from megatron_stem.planning.traffic import Layout, RowCounts, TableShape
+
+from conftest import ROOT, subprocess_env
+
+SHAPE = TableShape(tables=2, rows=100, width=8)
+COUNTS = RowCounts(rank_rows=10, union_rows=30, owned_rows=8, microbatch_rows=14,
+                   longest_rank_rows=12, self_rows=3, longest_owned_rows=9)
+
+
+def layout(partition, placement="device", update="dense", **kw):
+    args = dict(optimizer="cpu", dp=4, ranks_per_copy=2, grad_bytes=2, param_bytes=2)
+    args.update(kw)
+    return Layout(placement, update, partition, dp=args.pop("dp"), **args)
+
+
+def test_replicated_device_counts_by_hand():
+    c = traffic.counters(SHAPE, layout("replicated"), COUNTS)
+    assert c["tables/index_bytes"] == 4 * 12 * 8 * 2  # padded ids, all-gathered per table
+    assert c["tables/grad_bytes"] == 30 * 8 * 4 * 2  # the union's fp32 rows, all-reduced
+    assert c["tables/gather_bytes"] == 0
+    assert c["tables/d2h_bytes"] == 30 * 8 * 4 * 2
+    assert c["tables/h2d_bytes"] == 100 * 8 * 4 * 2  # dense: the whole fp32 master
+    assert c["tables/adam_elements"] == 100 * 8 * 2
+    assert c["tables/cpu_state_bytes"] == 100 * 8 * 2 * 12
+    lazy = traffic.counters(SHAPE, layout("replicated", update="lazy"), COUNTS)
+    assert lazy["tables/h2d_bytes"] == 30 * 8 * 2 * 2  # the union, cast to bf16 on the CPU
+    assert lazy["tables/adam_elements"] == 30 * 8 * 2
+
+
+def test_sharded_counts_are_total_over_sharers():
+    c = traffic.counters(SHAPE, layout("sharded"), COUNTS)  # DP4, 3 of 10 rows its own
+    assert c["tables/index_bytes"] == 2 * 4 * 8 + (10 - 3) * 8  # counts, then ids
+    assert c["tables/grad_bytes"] == (10 - 3) * 8 * 2 * 2  # all tables' bf16 grads
+    assert c["tables/gather_bytes"] == 3 * 25 * 8 * 2 * 2  # 3 other owners' bf16 shards
+    assert c["tables/d2h_bytes"] == 8 * 8 * 4 * 2  # owned touched rows' fp32 grads
+    assert c["tables/adam_elements"] == 25 * 8 * 2  # rows/DP, dense
+    assert c["tables/cpu_state_bytes"] == 25 * 8 * 2 * 12
+    assert c["tables/cpu_state_bytes"] * 4 == traffic.cpu_state_bytes(SHAPE, layout("replicated"))
+    assert c["tables/h2d_bytes"] == 25 * 8 * 2 * 2
+    lazy = traffic.counters(SHAPE, layout("sharded", update="lazy"), COUNTS)
+    assert lazy["tables/adam_elements"] == 8 * 8 * 2
+    assert lazy["tables/gather_bytes"] == 3 * 9 * 8 * 2 * 2  # padded to the longest owner
+    assert lazy["tables/index_bytes"] == 2 * 4 * 8 + 7 * 8 + 2 * 4 * (8 + 9 * 8)
+    accelerator = traffic.counters(SHAPE, layout("sharded", optimizer="accelerator"), COUNTS)
+    assert accelerator["tables/d2h_bytes"] == accelerator["tables/h2d_bytes"] == 0
+    assert accelerator["tables/cpu_state_bytes"] == 0
+
+
+def test_host_counts_by_hand():
+    rep = traffic.counters(SHAPE, layout("replicated", "host"), COUNTS)  # 2 copies of 2
+    assert rep["tables/index_bytes"] == 4 * 12 * 8  # once for all tables
+    assert rep["tables/grad_bytes"] == 30 * 8 * 4 * 2 + 8 * 8 * 4 * 2  # in node, across
+    assert rep["tables/staging_h2d_bytes"] == 14 * 8 * 2 * 2  # staged rows, training dtype
+    assert rep["tables/adam_elements"] == 50 * 8 * 2  # the copy's rows / its 2 ranks
+    assert rep["tables/cpu_state_bytes"] == 50 * 8 * 2 * 12
+    sh = traffic.counters(SHAPE, layout("sharded", "host"), COUNTS)
+    assert sh["tables/adam_elements"] == 25 * 8 * 2
+    assert sh["tables/cpu_state_bytes"] == 50 * 8 * 2 * 4 + 25 * 8 * 2 * 8
+    assert sh["tables/gather_bytes"] == 25 * 8 * 4 * 2  # from the other copy's owner, fp32
+    assert sh["tables/h2d_bytes"] == 0
+
+
+def test_cpu_training_moves_nothing_between_devices():
+    lay = layout("replicated", param_bytes=4, grad_bytes=4, device_is_host=True)
+    assert lay.own_master
+    c = traffic.counters(SHAPE, lay, COUNTS)
+    assert c["tables/d2h_bytes"] == c["tables/h2d_bytes"] == 0
+    assert c["tables/cpu_state_bytes"] == 100 * 8 * 2 * 8  # moments only
+
+
+def test_zipf_model():
+    assert rows.expected_distinct(1, 1000) == pytest.approx(1.0)
+    assert rows.expected_distinct(1e9, 1000) == pytest.approx(1000, rel=1e-6)
+    measured = {n: rows.expected_distinct(n, 5000, 1.2) for n in (500, 5000, 50000)}
+    s, err = rows.fit_exponent(measured, 5000)
+    assert s == pytest.approx(1.2, abs=0.006) and err < 0.01
+
+
+def test_flow_shop_pipelines_and_respects_blocked_windows():
+    a = step.Component("a", "net", 0, "B", 1.0, "tables")
+    b = step.Component("b", "cpu", 0, "B", 1.0, "tables")
+    assert step._flow_shop([(0.0, [a, b])], 1, {}) == [2.0]
+    assert step._flow_shop([(0.0, [a, b])], 2, {}) == [1.5]  # chunks overlap the stages
+    assert step._flow_shop([(0.0, [a, b])] * 2, 1, {}) == [2.0, 3.0]
+    assert step._flow_shop([(0.0, [a])], 1, {"net": (0.5, 2.0)}) == [3.0]
+
+
+def _small_workload(hw_name="h200"):
+    model = ModelConfig(hidden_size=2048, num_layers=16, num_attention_heads=16,
+                        ffn_hidden_size=4096, vocab_size=16000, seq_length=2048,
+                        stem_layers="1/3")
+    recipe = Recipe(model=model, train=TrainConfig(micro_batch_size=4, global_batch_size=256))
+    cluster = step.Cluster(1, 8)
+    return step.workload(recipe, cluster), cluster, hardware.load(hw_name)
+
+
+def test_ranking_marks_an_exact_option_when_overlap_hides_the_path():
+    w, cluster, hw = _small_workload()
+    plans = step.rank(w, cluster, hw)
+    by = {str(p.option): p for p in plans}
+    hidden = by["device/dense/sharded/next_step/accelerator"]
+    assert hidden.exposed_tables_s == hidden.seconds("sync") > 0  # the update all hidden
+    assert by["device/dense/sharded/delayed/accelerator"].step_s <= hidden.step_s
+    best = step.best(plans, "any")
+    assert best.option.exact and best.option.implemented and best.step_s == hidden.step_s
+    dense = step.plan(w, None, cluster, hw)
+    marked = [line for line in report.ranking(plans, dense, best) if line.startswith("  *")]
+    assert len(marked) == 1 and "delayed" not in marked[0] and "next_step" in marked[0]
+    # today's path is serial: no cheaper than compute + backbone + its whole table path
+    today = by["device/dense/replicated/none/cpu"]
+    assert today.step_s == pytest.approx(today.seconds("compute") + today.seconds("backbone")
+                                         + today.table_seconds)
+
+
+def _cli(*args, home=None):
+    """The CLI as a user runs it; a fresh HOME: no cached or refit profiles."""
+    env = subprocess_env(HOME=str(home)) if home else None
+    return subprocess.run([sys.executable, str(ROOT / "tools/plan_step.py"), *args],
+                          capture_output=True, text=True, cwd=ROOT, env=env)
+
+
+LAST_LINE = re.compile(r"predicted step time STEM \d+\.\d{3} s, dense \d+\.\d{3} s, "
+                       r"ratio (\d+\.\d{2})")
+
+
+def test_cli_last_line_and_the_1b_pair(tmp_path):
+    pair = ["--recipe", "recipes/stem_1b.yaml", "--baseline", "recipes/dense_1b.yaml",
+            "--nodes", "4", "--gpus-per-node", "8", "--hardware", "h200"]
+    today, best = _cli(*pair, home=tmp_path), _cli(*pair, "--choose", "best", home=tmp_path)
+    assert today.returncode == best.returncode == 0, today.stderr + best.stderr
+    ratios = []
+    for proc in (today, best):
+        last = proc.stdout.rstrip("\n").splitlines()[-1]
+        ratios.append(float(LAST_LINE.fullmatch(last).group(1)))
+    assert ratios[0] > 1 and ratios[1] <= ratios[0]  # the recipe's choice vs the best
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--recipe", "recipes/nope.yaml", "--baseline", "recipes/dense_1b.yaml"],
+     "recipe file not found"),
+    (["--recipe", "recipes/stem_1b.yaml", "--baseline", "recipes/dense_1b.yaml",
+      "--hardware", "tpu"], "--hardware: unknown profile 'tpu'"),
+    (["--recipe", "recipes/dense_1b.yaml", "--baseline", "recipes/dense_1b.yaml"],
+     "has no STEM layers"),
+    (["--recipe", "recipes/stem_1b.yaml", "--baseline", "recipes/dense_1b.yaml",
+      "--choose", "device/dense"], "--choose: expected"),
+    (["--recipe", "recipes/stem_1b.yaml", "--baseline", "recipes/dense_1b.yaml",
+      "--choose", "host/dense/replicated/next_step/cpu"], "not a supported combination"),
+])
+def test_cli_errors_are_one_line(args, message):
+    proc = _cli(*args)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr
+
+
+def test_cpu_profile_is_read_from_its_cache(tmp_path):
+    measured = hardware.Hardware(**{**hardware.PUBLISHED["h200"].__dict__, "name": "cpu",
+                                    "device_is_host": True, "cores": 2})
+    hardware.save(measured, tmp_path / "cpu.json")
+    assert hardware.load("cpu", cache_dir=tmp_path) == measured
+    (tmp_path / "cpu.json").write_text("{}")
+    with pytest.raises(hardware.UserError, match="not a hardware profile"):
+        hardware.load("cpu", cache_dir=tmp_path)
