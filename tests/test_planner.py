@@ -137,13 +137,16 @@ LAST_LINE = re.compile(r"predicted step time STEM \d+\.\d{3} s, dense \d+\.\d{3}
 def test_cli_last_line_and_the_1b_pair(tmp_path):
     pair = ["--recipe", "recipes/stem_1b.yaml", "--baseline", "recipes/dense_1b.yaml",
             "--nodes", "4", "--gpus-per-node", "8", "--hardware", "h200"]
-    today, best = _cli(*pair, home=tmp_path), _cli(*pair, "--choose", "best", home=tmp_path)
-    assert today.returncode == best.returncode == 0, today.stderr + best.stderr
+    recipe = _cli(*pair, home=tmp_path)
+    today = _cli(*pair, "--choose", "device/dense/replicated/none/cpu", home=tmp_path)
+    assert recipe.returncode == today.returncode == 0, recipe.stderr + today.stderr
     ratios = []
-    for proc in (today, best):
+    for proc in (recipe, today):
         last = proc.stdout.rstrip("\n").splitlines()[-1]
         ratios.append(float(LAST_LINE.fullmatch(last).group(1)))
-    assert ratios[0] > 1 and ratios[1] <= ratios[0]  # the recipe's choice vs the best
+    # The recipe's table path is predicted no slower than the dense step; the path the
+    # tables had before they were sharded, several times slower.
+    assert ratios[0] <= 1.0 and ratios[1] > 3
 
 
 @pytest.mark.parametrize("args, message", [

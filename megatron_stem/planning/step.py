@@ -6,12 +6,14 @@ and optimizer step, and the tables' path (`traffic.py` counts, over the links of
 `hardware.py`). What overlaps what:
 
 * `none`: the table path runs after the last backward, its stages one after another.
-* `backward` (exact): each table's path starts when its gradient is final (the last
-  micro-batch's backward has passed its layer), tables in the order backward finishes
-  them, each in chunks that pipeline through the stages (a flow shop over the links: the
-  network, host->device and device->host copies, the CPU, the accelerator's memory). The
-  next step waits for all of it before its first STEM lookup (host placement: before its
-  first staging). The network is the backbone's while it reduces its gradients.
+* `backward` (exact): each table's gradient exchange (ids, grads to owners, D2H) starts
+  when its gradient is final (the last micro-batch's backward has passed its layer),
+  tables in the order backward finishes them, in chunks that pipeline through the stages
+  (a flow shop over the links: the network, host->device and device->host copies, the
+  CPU, the accelerator's memory). The update itself cannot start before the global
+  gradient norm is known (clipping scales every gradient, and Adam is not linear in it):
+  after the backbone's step; the next step waits for it before its first STEM lookup
+  (host placement: before its first staging).
 * `delayed` (one-step-delayed update, not exact): step k's table path runs during step
   k+1, all tables ready at its start; only what outlasts step k+1 is exposed.
 
@@ -457,7 +459,7 @@ def exposed_table_seconds(w: Workload, option: Option, tables: list[Component],
                           compute_s: float, backbone: list[Component],
                           first_share: float = 1.0) -> float:
     """The update's seconds the step waits for (the gradient sync's are counted apart,
-    except under `backward`/`delayed`, where `tables` holds them too)."""
+    `exposed_sync_seconds`)."""
     if option.overlap == "none" or not tables:
         return sum(c.seconds for c in tables)
     n = w.shape.tables
@@ -480,13 +482,25 @@ def exposed_table_seconds(w: Workload, option: Option, tables: list[Component],
     if option.overlap == "delayed":
         ends = _flow_shop([(0.0, per_table)] * n, CHUNKS_PER_TABLE, blocked)
         return max(0.0, max(ends) - (compute_s + bb_s))
-    backward_mb = 2 * forward_mb
-    jobs = [(compute_s - backward_mb * _layer_share_below(w, layer), per_table)
+    # `backward`: the update starts once the clipping factor is known, after the backbone's
+    # step; the next forward runs until its first STEM layer meanwhile (device tables).
+    window = forward_mb * _layer_share_below(w, min(w.stem_layers)) \
+        if option.placement == "device" else 0.0
+    return max(0.0, max(_flow_shop([(0.0, per_table)] * n, CHUNKS_PER_TABLE, {})) - window)
+
+
+def exposed_sync_seconds(w: Workload, option: Option, sync: list[Component],
+                         compute_s: float) -> float:
+    """The gradient exchange's seconds the step waits for: all of it, except under
+    `backward`, where each table's exchange runs as soon as backward has finished the
+    table, and only what outlasts the backward is exposed."""
+    if option.overlap != "backward" or not sync:
+        return sum(c.seconds for c in sync)
+    backward_mb = 2 * compute_s / w.microbatches / 3
+    jobs = [(compute_s - backward_mb * _layer_share_below(w, layer),
+             _scaled(sync, 1 / w.shape.tables))
             for layer in sorted(w.stem_layers, reverse=True)]
-    window = compute_s + bb_s
-    if option.placement == "device":  # the next forward runs until its first STEM layer
-        window += forward_mb * _layer_share_below(w, min(w.stem_layers))
-    return max(0.0, max(_flow_shop(jobs, CHUNKS_PER_TABLE, blocked)) - window)
+    return max(0.0, max(_flow_shop(jobs, CHUNKS_PER_TABLE, {})) - compute_s)
 
 
 def first_share(w: Workload, lay: Layout) -> float:
@@ -540,7 +554,8 @@ def plan(w: Workload, option: Option | None, cluster: Cluster, hw: Hardware,
         staging = staging_components(w, lay, cluster, hw)
         components += path + staging
         update = [c for c in path if c.phase == "tables"]
-        exposed = sum(c.seconds for c in path if c.phase == "sync") + \
+        sync = [c for c in path if c.phase == "sync"]
+        exposed = exposed_sync_seconds(w, option, sync, compute_s) + \
             exposed_table_seconds(w, option, update, compute_s, backbone,
                                   first_share(w, lay)) + \
             exposed_staging_seconds(w, staging, compute_s)
