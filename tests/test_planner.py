@@ -1,6 +1,7 @@
 """The step planner (megatron_stem/planning, tools/plan_step.py): its counters against
 hand-computed bytes, its timeline, its CLI."""
 
+import json
 import re
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from megatron_stem.config import ModelConfig, Recipe, TrainConfig
 from megatron_stem.planning import hardware, report, rows, step, traffic
 from megatron_stem.planning.traffic import Layout, RowCounts, TableShape
 
-from conftest import ROOT, subprocess_env
+from conftest import ROOT, subprocess_env, torchrun
 
 SHAPE = TableShape(tables=2, rows=100, width=8)
 COUNTS = RowCounts(rank_rows=10, union_rows=30, owned_rows=8, microbatch_rows=14,
@@ -29,12 +30,12 @@ def test_replicated_device_counts_by_hand():
     assert c["tables/index_bytes"] == 4 * 12 * 8 * 2  # padded ids, all-gathered per table
     assert c["tables/grad_bytes"] == 30 * 8 * 4 * 2  # the union's fp32 rows, all-reduced
     assert c["tables/gather_bytes"] == 0
-    assert c["tables/d2h_bytes"] == 30 * 8 * 4 * 2
-    assert c["tables/h2d_bytes"] == 100 * 8 * 4 * 2  # dense: the whole fp32 master
+    assert c["tables/grad_d2h_bytes"] == 30 * 8 * 4 * 2
+    assert c["tables/update_h2d_bytes"] == 100 * 8 * 4 * 2  # dense: the whole fp32 master
     assert c["tables/adam_elements"] == 100 * 8 * 2
     assert c["tables/cpu_state_bytes"] == 100 * 8 * 2 * 12
     lazy = traffic.counters(SHAPE, layout("replicated", update="lazy"), COUNTS)
-    assert lazy["tables/h2d_bytes"] == 30 * 8 * 2 * 2  # the union, cast to bf16 on the CPU
+    assert lazy["tables/update_h2d_bytes"] == 30 * 8 * 2 * 2  # the union, cast to bf16 on the CPU
     assert lazy["tables/adam_elements"] == 30 * 8 * 2
 
 
@@ -43,17 +44,17 @@ def test_sharded_counts_are_total_over_sharers():
     assert c["tables/index_bytes"] == 2 * 4 * 8 + (10 - 3) * 8  # counts, then ids
     assert c["tables/grad_bytes"] == (10 - 3) * 8 * 2 * 2  # all tables' bf16 grads
     assert c["tables/gather_bytes"] == 3 * 25 * 8 * 2 * 2  # 3 other owners' bf16 shards
-    assert c["tables/d2h_bytes"] == 8 * 8 * 4 * 2  # owned touched rows' fp32 grads
+    assert c["tables/grad_d2h_bytes"] == 8 * 8 * 4 * 2  # owned touched rows' fp32 grads
     assert c["tables/adam_elements"] == 25 * 8 * 2  # rows/DP, dense
     assert c["tables/cpu_state_bytes"] == 25 * 8 * 2 * 12
     assert c["tables/cpu_state_bytes"] * 4 == traffic.cpu_state_bytes(SHAPE, layout("replicated"))
-    assert c["tables/h2d_bytes"] == 25 * 8 * 2 * 2
+    assert c["tables/update_h2d_bytes"] == 25 * 8 * 2 * 2
     lazy = traffic.counters(SHAPE, layout("sharded", update="lazy"), COUNTS)
     assert lazy["tables/adam_elements"] == 8 * 8 * 2
     assert lazy["tables/gather_bytes"] == 3 * 9 * 8 * 2 * 2  # padded to the longest owner
     assert lazy["tables/index_bytes"] == 2 * 4 * 8 + 7 * 8 + 2 * 4 * (8 + 9 * 8)
     accelerator = traffic.counters(SHAPE, layout("sharded", optimizer="accelerator"), COUNTS)
-    assert accelerator["tables/d2h_bytes"] == accelerator["tables/h2d_bytes"] == 0
+    assert accelerator["tables/grad_d2h_bytes"] == accelerator["tables/update_h2d_bytes"] == 0
     assert accelerator["tables/cpu_state_bytes"] == 0
 
 
@@ -61,21 +62,21 @@ def test_host_counts_by_hand():
     rep = traffic.counters(SHAPE, layout("replicated", "host"), COUNTS)  # 2 copies of 2
     assert rep["tables/index_bytes"] == 4 * 12 * 8  # once for all tables
     assert rep["tables/grad_bytes"] == 30 * 8 * 4 * 2 + 8 * 8 * 4 * 2  # in node, across
-    assert rep["tables/staging_h2d_bytes"] == 14 * 8 * 2 * 2  # staged rows, training dtype
+    assert rep["tables/h2d_bytes"] == 14 * 8 * 2 * 2  # staged rows, training dtype
     assert rep["tables/adam_elements"] == 50 * 8 * 2  # the copy's rows / its 2 ranks
     assert rep["tables/cpu_state_bytes"] == 50 * 8 * 2 * 12
     sh = traffic.counters(SHAPE, layout("sharded", "host"), COUNTS)
     assert sh["tables/adam_elements"] == 25 * 8 * 2
     assert sh["tables/cpu_state_bytes"] == 50 * 8 * 2 * 4 + 25 * 8 * 2 * 8
     assert sh["tables/gather_bytes"] == 25 * 8 * 4 * 2  # from the other copy's owner, fp32
-    assert sh["tables/h2d_bytes"] == 0
+    assert sh["tables/update_h2d_bytes"] == 0
 
 
 def test_cpu_training_moves_nothing_between_devices():
     lay = layout("replicated", param_bytes=4, grad_bytes=4, device_is_host=True)
     assert lay.own_master
     c = traffic.counters(SHAPE, lay, COUNTS)
-    assert c["tables/d2h_bytes"] == c["tables/h2d_bytes"] == 0
+    assert c["tables/grad_d2h_bytes"] == c["tables/update_h2d_bytes"] == 0
     assert c["tables/cpu_state_bytes"] == 100 * 8 * 2 * 8  # moments only
 
 
@@ -175,3 +176,19 @@ def test_cpu_profile_is_read_from_its_cache(tmp_path):
     (tmp_path / "cpu.json").write_text("{}")
     with pytest.raises(hardware.UserError, match="not a hardware profile"):
         hardware.load("cpu", cache_dir=tmp_path)
+
+
+@pytest.mark.integration  # torchrun
+def test_the_trainers_counters_are_what_the_planner_predicts(tmp_path):
+    """On two ranks, a step of each device layout: every `tables/*` counter the table
+    optimizer logs equals `planning.traffic.counters` on the step's measured row counts
+    (the host store logs the staging's `h2d_bytes` itself)."""
+    out = tmp_path / "traffic.json"
+    torchrun(2, "traffic_worker.py", out)
+    result = json.loads(out.read_text())
+    assert len(result) == 2 * 4
+    for case, counters in result.items():
+        predicted = {k: v for k, v in counters["predicted"].items() if k != "h2d_bytes"}
+        measured = {k: counters["measured"][k] for k in predicted}
+        assert measured == predicted, case
+        assert counters["measured"]["comm_bytes"] > 0, case

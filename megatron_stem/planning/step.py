@@ -364,7 +364,7 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
         hw.alltoall_seconds(b, w.dp, cluster.gpus_per_node) * w.owner_skew, 1, sync)
     pinned = sharded
     kind = "pinned" if pinned else "pageable"
-    b = traffic.d2h_bytes(s, lay, c)
+    b = traffic.grad_d2h_bytes(s, lay, c)
     add(f"D2H grads ({kind})", "d2h", b, "B", b / hw.copy_bw(pinned, rpn), 0, sync)
     elems = traffic.adam_elements(s, lay, c)
     if lay.optimizer == "cpu":
@@ -377,7 +377,7 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
     else:
         add("accelerator Adam (owned rows)", "mem", elems, "elem",
             elems * hw.adam_bytes_per_element / hw.memory_bw)
-    h2d = traffic.h2d_bytes(s, lay, c)
+    h2d = traffic.update_h2d_bytes(s, lay, c)
     if h2d and not (lay.partition == "replicated" and lay.update == "dense"):
         b = h2d / lay.param_bytes * (traffic.FP32 + lay.param_bytes)
         add("cast updated rows on CPU", "cpu", b, "B", b / hw.node_share(hw.dram_bw, rpn))

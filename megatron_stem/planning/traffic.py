@@ -215,16 +215,16 @@ def comm_bytes(shape: TableShape, layout: Layout, counts: RowCounts) -> float:
 # -- copies between host and device --------------------------------------------------------
 
 
-def d2h_bytes(shape: TableShape, layout: Layout, counts: RowCounts) -> float:
-    """`d2h_bytes`: row grads (fp32) leaving the device for the CPU optimizer:
+def grad_d2h_bytes(shape: TableShape, layout: Layout, counts: RowCounts) -> float:
+    """`grad_d2h_bytes`: row grads (fp32) leaving the device for the CPU optimizer:
     replicated device the union's, otherwise the touched rows this rank updates."""
     if layout.device_is_host or layout.optimizer != "cpu":
         return 0
     return rows_bytes(owned_touched_rows(layout, counts), shape, FP32)
 
 
-def h2d_bytes(shape: TableShape, layout: Layout, counts: RowCounts) -> float:
-    """`h2d_bytes`: updated rows sent to the device table, cast on the CPU first (sharded
+def update_h2d_bytes(shape: TableShape, layout: Layout, counts: RowCounts) -> float:
+    """`update_h2d_bytes`: updated rows sent to the device table, cast on the CPU first (sharded
     device placement: the rows this rank updated). Replicated device placement copies too
     (`dense`: the whole fp32 master, cast on the device; `lazy`: the union, cast on the
     CPU), which the trainer's counter does not count yet."""
@@ -285,9 +285,9 @@ def counters(shape: TableShape, layout: Layout, counts: RowCounts) -> dict[str, 
         "tables/gather_bytes": gather_bytes(shape, layout, counts),
         "tables/index_bytes": index_bytes(shape, layout, counts),
         "tables/comm_bytes": comm_bytes(shape, layout, counts),
-        "tables/d2h_bytes": d2h_bytes(shape, layout, counts),
-        "tables/h2d_bytes": h2d_bytes(shape, layout, counts),
-        "tables/staging_h2d_bytes": staging_h2d_bytes(shape, layout, counts),
+        "tables/grad_d2h_bytes": grad_d2h_bytes(shape, layout, counts),
+        "tables/update_h2d_bytes": update_h2d_bytes(shape, layout, counts),
+        "tables/h2d_bytes": staging_h2d_bytes(shape, layout, counts),
         "tables/adam_elements": adam_elements(shape, layout, counts),
         "tables/cpu_state_bytes": cpu_state_bytes(shape, layout),
         "tables/unique_rows": counts.union_rows,

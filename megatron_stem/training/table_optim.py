@@ -148,6 +148,7 @@ class TableOptimizer:
         self.tables = [self._state(name, p) for name, p in tables]
         self.counters = TrafficCounters()  # what the last step moved (see `stats`)
         self.touched_rows = 0  # distinct rows in the last sync_grads (all DP ranks)
+        self.rank_rows = 0  # ... of this rank's micro-batches
         self._step_rows = None  # host: the rows the step updates on the copy (all owners)
 
     def stats(self) -> dict[str, float]:
@@ -161,7 +162,7 @@ class TableOptimizer:
             state //= self.copy.size
         where = "cpu" if self.state_device.type == "cpu" else "accelerator"
         return {**self.counters.as_dict(), "unique_rows": self.touched_rows,
-                f"{where}_state_bytes": state}
+                "rank_rows": self.rank_rows, f"{where}_state_bytes": state}
 
     def _state(self, name: str, param: torch.nn.Parameter) -> TableState:
         own = _is_own_master(param, self.state_device)
@@ -225,6 +226,7 @@ class TableOptimizer:
     def _sync_replicated(self) -> None:
         for t in self.tables:
             rows, values = _coalesced_rows(t.param)
+            self.rank_rows = rows.numel()
             rows, values = self._average_over_dp(rows, values.float())
             t.rows, t.grad = rows.cpu(), self._to_state(values)
             t.param.grad = None
@@ -250,6 +252,7 @@ class TableOptimizer:
 
     def _sync_to_owners(self) -> None:
         rows, grads = self._local_row_grads()
+        self.rank_rows = rows.numel()
         width = grads[0].shape[1] if grads else 0
         owned, summed = self.shards.to_owners(rows, torch.cat(grads, 1), self.counters)
         summed = self._to_state(summed / self.shards.size)
@@ -302,6 +305,7 @@ class TableOptimizer:
     def _sync_host_grads(self) -> None:
         """Row grads from the staged rows, summed over DP onto each row's owner only."""
         rows, grads = self.host.take_row_grads()
+        self.rank_rows = rows.numel()
         grads = {id(m.weight): g for m, g in zip(self.host.modules, grads)}
         device = grads[id(self.tables[0].param)].device if self.tables else rows.device
         union = self._union_over_dp(rows.to(device))
