@@ -5,7 +5,7 @@ import torch
 
 from megatron_stem.config import ParallelConfig
 from megatron_stem.model import build_model
-from megatron_stem.schedule import forward_backward
+from workers.schedule import forward_backward
 from workers.common import microbatches, tiny_model
 
 

@@ -32,7 +32,7 @@ import torch
 from megatron_stem import checkpoint
 from megatron_stem.config import DataConfig, ModelConfig, ParallelConfig, Recipe
 from megatron_stem.model import build_model
-from megatron_stem.schedule import forward_backward
+from workers.schedule import forward_backward
 
 CAPITALS = [
     ("Spain", "Madrid"), ("Germany", "Berlin"), ("France", "Paris"), ("Italy", "Rome"),

@@ -15,7 +15,7 @@ from common import full_named, microbatches, tiny_model
 from megatron_stem.config import ParallelConfig
 from megatron_stem.model import build_model
 from megatron_stem.parallel import destroy_distributed, init_distributed
-from megatron_stem.schedule import forward_backward
+from schedule import forward_backward
 
 
 def main():
