@@ -54,6 +54,13 @@ def account(model: ModelConfig) -> Accounting:
                       flops_per_token=2 * active)
 
 
+def training_flops_per_token(model: ModelConfig) -> float:
+    """Forward + backward FLOPs per token, as MFU counts them (the trainer's log and the
+    step planner): 6 x active parameters + attention's 12 x layers x hidden x sequence."""
+    return 6 * account(model).active_params + \
+        12 * model.num_layers * model.hidden_size * model.seq_length
+
+
 def roi(accuracy: float, flops: float, dense_accuracy: float, dense_flops: float) -> float:
     """Accuracy per FLOP relative to the dense baseline (1.0 = as efficient as dense)."""
     return (accuracy / flops) / (dense_accuracy / dense_flops)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_stem import checkpoint, quiet
-from megatron_stem.accounting import account
+from megatron_stem.accounting import account, training_flops_per_token
 from megatron_stem.config import Recipe, load_recipe
 from megatron_stem.errors import ConfigError, UserError, cli
 from megatron_stem.model import build_model
@@ -201,8 +201,7 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
 
         result = {"losses": [], "valid": [], "step": step, "preempted": False}
         tokens_per_step = train.global_batch_size * recipe.model.seq_length
-        flops_per_token = 6 * account(recipe.model).active_params + \
-            12 * recipe.model.num_layers * recipe.model.hidden_size * recipe.model.seq_length
+        flops_per_token = training_flops_per_token(recipe.model)
         upcoming = batches.microbatches(step) if step < train.steps else None
         while step < train.steps:
             lr = lr_at(step, opt, train.steps)

@@ -126,18 +126,17 @@ def compute_rates(model_kwargs: dict, micro_batch: int, dtype: str) -> tuple[flo
     """(FLOP/s of the dense model, bytes/s of the STEM tables' rows): the STEM model's
     time beyond its FLOPs at the dense rate, charged to the four passes over its looked-up
     rows that the planner counts (`table rows in fwd/bwd`)."""
-    from megatron_stem.config import Recipe
-    from megatron_stem.planning.step import training_flops_per_token
+    from megatron_stem.accounting import training_flops_per_token
 
     tokens = micro_batch * model_kwargs["seq_length"]
     dense = ModelConfig(**model_kwargs)
     stem = ModelConfig(**model_kwargs, stem_layers="1/2")
-    flops = training_flops_per_token(Recipe(model=dense)) * tokens / _in_fresh_process(
+    flops = training_flops_per_token(dense) * tokens / _in_fresh_process(
         f"compute_rate({model_kwargs!r}, {micro_batch}, {dtype!r})", threads=_threads())
     stem_s = _in_fresh_process(
         f"compute_rate({model_kwargs!r}, {micro_batch}, {dtype!r}, stem_layers='1/2')",
         threads=_threads())
-    extra = stem_s - training_flops_per_token(Recipe(model=stem)) * tokens / flops
+    extra = stem_s - training_flops_per_token(stem) * tokens / flops
     rows = 4 * tokens * stem.ffn_hidden_size * len(stem.stem_layer_indices) * \
         (2 if dtype == "bf16" else 4)
     return flops, rows / max(extra, 1e-6)

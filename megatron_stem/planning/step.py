@@ -27,7 +27,7 @@ import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
-from megatron_stem.accounting import account
+from megatron_stem.accounting import account, training_flops_per_token
 from megatron_stem.config import Recipe, TableOptimConfig, from_dict
 from megatron_stem.errors import ConfigError, UserError
 from megatron_stem.planning import rows as row_model
@@ -175,13 +175,6 @@ class Workload:
                       device_is_host=hw.device_is_host, overlap=option.overlap)
 
 
-def training_flops_per_token(recipe: Recipe) -> float:
-    """Forward + backward FLOPs per token as the trainer's MFU counts them: 6 x active
-    parameters (accounting.py) + attention's 12 x layers x hidden x seq."""
-    m = recipe.model
-    return 6 * account(m).active_params + 12 * m.num_layers * m.hidden_size * m.seq_length
-
-
 def workload(recipe: Recipe, cluster: Cluster, exponent: float = row_model.ZIPF_EXPONENT,
              rows_override: dict | None = None, name: str = "") -> Workload:
     m, t, par = recipe.model, recipe.train, recipe.parallel
@@ -195,7 +188,7 @@ def workload(recipe: Recipe, cluster: Cluster, exponent: float = row_model.ZIPF_
                         f"multiple of micro_batch_size x DP = {t.micro_batch_size * dp}")
     mbs = t.global_batch_size // (t.micro_batch_size * dp)
     per_mb = t.micro_batch_size * m.seq_length
-    flops = training_flops_per_token(recipe)
+    flops = training_flops_per_token(recipe.model)
     head = 6 * m.vocab_size * m.hidden_size / tp
     stem = m.stem_layer_indices
     shape = TableShape(len(stem), m.vocab_size, m.ffn_hidden_size // par.tensor_parallel)
