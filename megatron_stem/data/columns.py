@@ -1,0 +1,135 @@
+"""A chunk's texts as Arrow string arrays, parsed natively: no Python code per record.
+
+The fast way through `worker.tokenize_chunk`. It must give exactly the documents and
+skips that the per-record readers (`readers.iter_records`) give, so it takes only the
+chunks it can prove are clean and answers None for the rest, which then go the
+per-record way (that finds and locates every bad record):
+
+- JSON Lines: the chunk must be valid UTF-8, every line exactly one JSON object from `{`
+  to `}` (checked on the bytes: a line holding two objects, or an object spread over two
+  lines, would be read differently by Arrow), no blank lines, and Arrow's JSON reader
+  must accept it with every key a string (it rejects what Python's `json` rejects here,
+  and lone surrogates and duplicate keys besides).
+- Parquet: the key columns must be string columns.
+
+Either way no text may be missing (null).
+
+Empty and whitespace-only texts are common in real corpora, so they are handled here:
+skipped with their line, found by a regular expression built from Python's own
+`str.isspace`, so that both ways agree on what is blank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from megatron_stem.data.readers import EMPTY, Chunk, Skip
+
+# Every character Python calls whitespace, as an RE2 class (what `_check_texts` skips).
+_BLANK = "^[" + "".join(f"\\x{{{ord(c):x}}}" for c in map(chr, range(0x110000))
+                        if c.isspace()) + "]*$"
+
+
+@dataclass
+class Columns:
+    texts: list  # per key, an Arrow string array of the chunk's documents
+    skips: list  # the records skipped for an empty text, in order
+
+
+def chunk_columns(chunk: Chunk, keys: Sequence[str]) -> Optional[Columns]:
+    """The chunk's documents per key, or None when the chunk must go record by record."""
+    if chunk.shard.kind == "jsonl":
+        return _jsonl_columns(chunk, keys)
+    if chunk.shard.kind == "parquet":
+        return _parquet_columns(chunk, keys)
+    return None
+
+
+def _jsonl_columns(chunk: Chunk, keys: Sequence[str]) -> Optional[Columns]:
+    import pyarrow as pa
+    import pyarrow.json as pa_json
+
+    data = chunk.data
+    lines = _one_object_per_line(data)
+    if lines is None or not _valid_utf8(data):
+        return None
+    try:
+        table = pa_json.read_json(
+            pa.BufferReader(data),
+            read_options=pa_json.ReadOptions(use_threads=False, block_size=len(data)),
+            parse_options=pa_json.ParseOptions(
+                explicit_schema=pa.schema([(k, pa.string()) for k in keys]),
+                unexpected_field_behavior="ignore"))
+    except pa.ArrowInvalid:  # bad JSON, a key that is not a string, a lone surrogate, ...
+        return None
+    if table.num_rows != lines:
+        return None
+    return _documents([table.column(k).combine_chunks() for k in keys], keys, chunk.first_line)
+
+
+def _one_object_per_line(data: bytes) -> Optional[int]:
+    """The number of lines when each is `{...}` (optionally ending in \\r): every line
+    break sits between a `}` and a `{`. Else None."""
+    body = data[:-1] if data.endswith(b"\n") else data
+    if body.endswith(b"\r"):
+        body = body[:-1]
+    if not body.startswith(b"{") or not body.endswith(b"}"):
+        return None
+    breaks = body.count(b"\n")
+    if body.count(b"}\n{") + body.count(b"}\r\n{") != breaks:
+        return None
+    return breaks + 1
+
+
+def _valid_utf8(data: bytes) -> bool:
+    import pyarrow as pa
+
+    buffer = pa.py_buffer(data)
+    offsets = pa.py_buffer(np.array([0, len(data)], np.int64).tobytes())
+    try:
+        pa.Array.from_buffers(pa.large_binary(), 1, [None, offsets, buffer]).cast(
+            pa.large_string())
+    except pa.ArrowInvalid:
+        return False
+    return True
+
+
+def _parquet_columns(chunk: Chunk, keys: Sequence[str]) -> Optional[Columns]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(chunk.shard.path).read_row_groups(
+            list(chunk.row_groups), columns=list(keys), use_threads=False)
+    except (pa.ArrowException, OSError):
+        return None  # the per-record way reports the row where it broke
+    columns = [table.column(k).combine_chunks() for k in keys]
+    if any(not (pa.types.is_string(c.type) or pa.types.is_large_string(c.type))
+           for c in columns):
+        return None
+    return _documents(columns, keys, chunk.first_line)
+
+
+def _documents(columns: list, keys: Sequence[str], first_line: int) -> Optional[Columns]:
+    """Drop the records with an empty or blank text, each a `Skip` like the per-record
+    readers make (the first such key of the record is named). None if a text is missing
+    (null)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if any(c.null_count for c in columns):
+        return None
+
+    blank = [np.asarray(pc.match_substring_regex(c, _BLANK)) for c in columns]
+    dropped = np.logical_or.reduce(blank)
+    if not dropped.any():
+        return Columns(columns, [])
+    rows = np.flatnonzero(dropped)
+    which = np.argmax(np.stack(blank)[:, rows], axis=0)
+    skips = [Skip(first_line + int(row), EMPTY, f"{keys[k]!r} is empty")
+             for row, k in zip(rows, which)]
+    keep = pa.array(~dropped)
+    return Columns([c.filter(keep) for c in columns], skips)
