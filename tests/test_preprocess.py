@@ -358,16 +358,19 @@ def shards(tmp_path_factory, corpus_texts):
 
 @pytest.fixture(scope="module")
 def reference(shards, sp_model, tmp_path_factory):
-    """The uninterrupted run's output, one worker."""
-    stats = run([shards], tmp_path_factory.mktemp("ref") / "out", sp_model, workers=1)
+    """The uninterrupted run's output, one worker, the reference library (sentencepiece)."""
+    stats = run([shards], tmp_path_factory.mktemp("ref") / "out", sp_model, workers=1,
+                tokenizer_backend="reference")
     return output_bytes(stats["outputs"]["text"])
 
 
-def test_same_bytes_whatever_workers_and_chunking(shards, reference, sp_model, tmp_path):
-    for workers, chunk in ((2, None), (2, 3000), (1, 1 << 30)):
-        stats = run([shards], tmp_path / f"w{workers}_{chunk}" / "out", sp_model,
-                    workers=workers, chunk_bytes=chunk)
-        assert output_bytes(stats["outputs"]["text"]) == reference, (workers, chunk)
+def test_same_bytes_whatever_workers_chunking_and_backend(shards, reference, sp_model,
+                                                         tmp_path):
+    for workers, chunk, backend in ((2, None, "gigatoken"), (3, 3000, "gigatoken"),
+                                    (1, 1 << 30, "gigatoken"), (2, 3000, "reference")):
+        stats = run([shards], tmp_path / f"w{workers}_{chunk}_{backend}" / "out", sp_model,
+                    workers=workers, chunk_bytes=chunk, tokenizer_backend=backend)
+        assert output_bytes(stats["outputs"]["text"]) == reference, (workers, chunk, backend)
     assert stats["shards"] == 8
 
 

@@ -107,7 +107,8 @@ def load_gigatoken(tokenizer: Tokenizer):
         if isinstance(tokenizer, HuggingFaceTokenizer):
             return gigatoken.Tokenizer.from_json(tokenizer.file.read_bytes())
     except Exception as e:  # gigatoken raises ValueError, or plain Exceptions from Rust
-        raise Unsupported(f"gigatoken cannot load {tokenizer.path} ({e})") from None
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise Unsupported(f"gigatoken cannot load {tokenizer.path} ({reason})") from None
     raise Unsupported(f"gigatoken does not read {type(tokenizer).__name__}s")
 
 
