@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import CORPUS
-from megatron_stem.data.columns import chunk_columns
+from megatron_stem.data.columns import WHITESPACE, chunk_columns
 from megatron_stem.data.encoders import (GigatokenEncoder, ReferenceEncoder, first_difference,
                                          load_encoder)
 from megatron_stem.data.preprocess import PreprocessConfig, preprocess
@@ -230,3 +230,17 @@ def test_native_parquet_agrees(tmp_path, corpus_texts):
         assert native == per_record
     pq.write_table(pa.table({"text": [b"binary"] * 3}), tmp_path / "bytes.parquet")
     assert [native for native, _ in _both_ways(tmp_path / "bytes.parquet")] == [None]
+
+
+def test_blank_means_what_python_calls_whitespace():
+    assert set(WHITESPACE) == {c for c in map(chr, range(0x110000)) if c.isspace()}
+
+
+def test_a_reloaded_encoder_gives_the_same_ids(tokenizer, corpus_texts):
+    """The encoder reloads itself when memory grows (its cache): here after every batch."""
+    encoder, _ = load_encoder(tokenizer, "gigatoken")
+    encoder.cache_limit = -1 << 40
+    reference = ReferenceEncoder(tokenizer)
+    for i in range(0, 600, 200):
+        assert first_difference(encoder, reference, corpus_texts[i:i + 200]) is None
+    assert encoder.reloads == 3

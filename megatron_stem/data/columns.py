@@ -28,9 +28,13 @@ import numpy as np
 
 from megatron_stem.data.readers import EMPTY, Chunk, Skip
 
-# Every character Python calls whitespace, as an RE2 class (what `_check_texts` skips).
-_BLANK = "^[" + "".join(f"\\x{{{ord(c):x}}}" for c in map(chr, range(0x110000))
-                        if c.isspace()) + "]*$"
+# Every character Python's str.isspace() accepts (a text of only these is skipped as empty;
+# a test checks the list against Python's Unicode database), and a regular expression
+# (RE2, Arrow's) matching texts of only these.
+WHITESPACE = ("\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \x85\xa0\u1680"
+              "\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a"
+              "\u2028\u2029\u202f\u205f\u3000")
+_BLANK = "^[" + "".join(f"\\x{{{ord(c):x}}}" for c in WHITESPACE) + "]*$"
 
 
 @dataclass
@@ -73,15 +77,19 @@ def _jsonl_columns(chunk: Chunk, keys: Sequence[str]) -> Optional[Columns]:
 def _one_object_per_line(data: bytes) -> Optional[int]:
     """The number of lines when each is `{...}` (optionally ending in \\r): every line
     break sits between a `}` and a `{`. Else None."""
-    body = data[:-1] if data.endswith(b"\n") else data
-    if body.endswith(b"\r"):
-        body = body[:-1]
-    if not body.startswith(b"{") or not body.endswith(b"}"):
+    end = len(data) - data.endswith(b"\n")
+    end -= data[:end].endswith(b"\r")
+    if end < 2 or data[0] != ord("{") or data[end - 1] != ord("}"):
         return None
-    breaks = body.count(b"\n")
-    if body.count(b"}\n{") + body.count(b"}\r\n{") != breaks:
-        return None
-    return breaks + 1
+    text = np.frombuffer(data, np.uint8, end)
+    breaks = np.flatnonzero(text == ord("\n"))
+    if len(breaks):
+        before = text[breaks - 1]
+        crlf = before == ord("\r")
+        before[crlf] = text[breaks[crlf] - 2]  # breaks[0] > 1: the text starts with "{"
+        if (before != ord("}")).any() or (text[breaks + 1] != ord("{")).any():
+            return None
+    return len(breaks) + 1
 
 
 def _valid_utf8(data: bytes) -> bool:

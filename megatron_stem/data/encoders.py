@@ -18,8 +18,10 @@ gigatoken's ids are checked, not assumed, to be the reference's: by the identity
 from __future__ import annotations
 
 import json
+import os
+import threading
 from itertools import chain
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -49,20 +51,55 @@ class ReferenceEncoder:
 
 
 class GigatokenEncoder:
-    """gigatoken on the calling thread (`parallel=False`): threads of preprocessing each
-    run one, so the thread count is the user's `--workers`."""
+    """gigatoken on the calling thread (`parallel=False`): threads of preprocessing share
+    one encoder and each run their own call, so the thread count is the user's `--workers`.
+
+    gigatoken caches the pieces of every word it has seen, without a bound: on text of
+    ever new words (measured: random words) the cache grows by several times the text's
+    size, and a long run's memory with it. So once the process's resident memory has grown
+    `cache_limit` bytes beyond what it was when the encoder was made, the encoder is
+    loaded afresh from `tokenizer_json` (a tenth of a second) and the old one, cache and
+    all, is freed when the calls running on it return. Only Linux tells the resident memory cheaply
+    (/proc/self/statm); elsewhere the cache is left alone.
+    """
 
     name = "gigatoken"
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer  # a gigatoken.Tokenizer
+    def __init__(self, tokenizer_json: Union[str, bytes], cache_limit: int = 512 << 20):
+        self.tokenizer_json = tokenizer_json
+        self.tokenizer = self._load()
+        self.cache_limit, self.reloads = cache_limit, 0
+        self._lock = threading.Lock()
+        self._baseline = _resident_bytes()
 
     def encode(self, texts: Texts) -> tuple[np.ndarray, np.ndarray]:
         batch = texts if isinstance(texts, list) else _awkward_strings(texts)
         layout = self.tokenizer.encode_batch(batch, parallel=False).layout
         offsets = np.asarray(layout.offsets)
         flat = np.asarray(layout.content.data)[offsets[0]:offsets[-1]]
+        self._bound_cache()
         return flat, np.diff(offsets)
+
+    def _bound_cache(self) -> None:
+        if self._baseline is None or _resident_bytes() - self._baseline <= self.cache_limit:
+            return
+        with self._lock:  # one thread reloads; the others keep encoding meanwhile
+            if _resident_bytes() - self._baseline > self.cache_limit:
+                self.tokenizer = self._load()
+                self.reloads += 1
+
+    def _load(self):
+        import gigatoken
+
+        return gigatoken.Tokenizer.from_json(self.tokenizer_json)
+
+
+def _resident_bytes() -> Optional[int]:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _awkward_strings(array) -> "awkward.Array":  # noqa: F821
@@ -91,21 +128,21 @@ class Unsupported(Exception):
     """gigatoken cannot (or is not installed to) encode exactly like this tokenizer."""
 
 
-def load_gigatoken(tokenizer: Tokenizer):
-    """A gigatoken.Tokenizer that encodes like `tokenizer`, or `Unsupported` saying why.
+def load_gigatoken(tokenizer: Tokenizer) -> GigatokenEncoder:
+    """A gigatoken encoder that encodes like `tokenizer`, or `Unsupported` saying why.
 
-    Read from the local file's contents, never from a name gigatoken might look up on
-    the Hugging Face Hub.
+    Made from the local file's contents, never from a name gigatoken might look up on the
+    Hugging Face Hub.
     """
     try:
-        import gigatoken
+        import gigatoken  # noqa: F401
     except ImportError:
         raise Unsupported("the gigatoken package is not installed") from None
     try:
         if isinstance(tokenizer, SentencePieceTokenizer):
-            return gigatoken.Tokenizer.from_json(_sentencepiece_json(tokenizer))
+            return GigatokenEncoder(_sentencepiece_json(tokenizer))
         if isinstance(tokenizer, HuggingFaceTokenizer):
-            return gigatoken.Tokenizer.from_json(tokenizer.file.read_bytes())
+            return GigatokenEncoder(tokenizer.file.read_bytes())
     except Exception as e:  # gigatoken raises ValueError, or plain Exceptions from Rust
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise Unsupported(f"gigatoken cannot load {tokenizer.path} ({reason})") from None
@@ -145,7 +182,7 @@ def load_encoder(tokenizer: Tokenizer, backend: str) -> tuple[object, Optional[s
     if backend == "reference":
         return ReferenceEncoder(tokenizer), None
     try:
-        return GigatokenEncoder(load_gigatoken(tokenizer)), None
+        return load_gigatoken(tokenizer), None
     except Unsupported as e:
         if backend == "gigatoken":
             raise UserError(f"--tokenizer-backend gigatoken: {e}") from None
