@@ -459,3 +459,28 @@ def test_outputs_among_the_inputs_are_not_read_back(tmp_path, sp_model, tok):
         stats = run([tmp_path], tmp_path / "out", sp_model, keep_parts=True)
     assert stats["shards"] == 1
     assert read_documents(stats["outputs"]["text"]) == expected_ids(tok, ["only document"])
+
+
+def test_a_failed_chunk_leaves_its_file_unfinished(tmp_path, sp_model, monkeypatch):
+    """A chunk fails while another of the same file is still running: the run stops with
+    the chunk's error, and the file is not marked done (a rerun redoes the chunk)."""
+    from megatron_stem.data import worker
+
+    tokenize = worker.tokenize_chunk
+
+    def second_lingers_last_fails(chunk, *args, **kw):
+        if chunk.index == 2:
+            time.sleep(0.2)
+            raise BadRecord("in.jsonl:150: bad_json: made up")
+        time.sleep(1.0 if chunk.index == 1 else 0)  # finishes after the failure is seen
+        return tokenize(chunk, *args, **kw)
+
+    monkeypatch.setattr(worker, "tokenize_chunk", second_lingers_last_fails)
+    write(tmp_path / "in.jsonl", jsonl_bytes({"text": f"document {i}"} for i in range(200)))
+    with pytest.raises(BadRecord, match="made up"):
+        run([tmp_path / "in.jsonl"], tmp_path / "out", sp_model, workers=3, chunk_bytes=2000,
+            tokenizer_backend="gigatoken")
+    assert not list(tmp_path.glob("out.parts/*/done.json"))
+    monkeypatch.undo()
+    stats = run([tmp_path / "in.jsonl"], tmp_path / "out", sp_model, chunk_bytes=2000)
+    assert stats["documents"] == 200 and stats["this_run"]["chunks_resumed"] == 2

@@ -51,7 +51,7 @@ def parse_args(argv=None) -> PreprocessConfig:
                      help="seconds between progress lines when not on a terminal")
     run.add_argument("--chunk-size-mb", type=float, default=None,
                      help="MiB of text per unit of work and of resume (default: a 16th of "
-                          "each file, 1 to 32 MiB); the output does not depend on it")
+                          "each file, 1 to 8 MiB); the output does not depend on it")
     run.add_argument("--keep-parts", action="store_true",
                      help="keep <prefix>.parts/ (the per-chunk token files) after merging")
     array = ap.add_argument_group("SLURM arrays (see slurm/preprocess.sh)")
