@@ -18,10 +18,12 @@ so that their ratio is measured under the same load:
   tokenizers in W processes), on sizes up to `--reference-max-mb`.
 
 Every path's .bin/.idx must be byte-identical to ours. Printed per path: the best wall
-time of `--repeat` runs, MB/s, its ratio to the fast path in the same repeat (the best
-of those ratios), and peak RSS (the largest process: ours is one process, the reference
-path's workers are measured one by one). The goal: ours <= 1.25x the fast path, with a
-peak RSS that does not grow with the input.
+time of `--repeat` runs, MB/s, its ratio to the fast path's in the same repeat (the best
+of those ratios), the same for CPU time (user + system, of the process and its
+children: on a busy machine wall time mostly measures the neighbours, CPU time much
+less), and peak RSS (the largest process: ours is one process, the reference path's
+workers are measured one by one). The goal: ours <= 1.25x the fast path, with a peak RSS
+that does not grow with the input.
 """
 
 import argparse
@@ -112,8 +114,9 @@ def fast_path(corpus: str, prefix: str, kind: str, model: str) -> None:
 # --- running and measuring ---------------------------------------------------------------
 
 
-def timed(argv: list, env: dict) -> tuple[float, float]:
-    """(wall s, peak RSS MB of the largest process) of a child process."""
+def timed(argv: list, env: dict) -> tuple[float, float, float]:
+    """(wall s, CPU s, peak RSS MB of the largest process) of a child process and its
+    own children."""
     start = time.perf_counter()
     child = subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE)
@@ -121,7 +124,7 @@ def timed(argv: list, env: dict) -> tuple[float, float]:
     wall = time.perf_counter() - start
     if status != 0:
         sys.exit(f"error: {' '.join(argv)} failed:\n{child.stderr.read().decode()}")
-    return wall, usage.ru_maxrss / 1024
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
 
 def commands(kind: str, model: str, corpus: Path, out: Path, workers: int) -> dict:
@@ -166,12 +169,12 @@ def bench_size(megabytes: float, models: dict, args, tmp: Path) -> list:
             for ext in (".bin", ".idx"):
                 if not filecmp.cmp(f"{ours}{ext}", f"{outputs(out, name)}{ext}", shallow=False):
                     sys.exit(f"error: {kind}: {name}'s {ext} differs from ours")
-        fast = [wall for wall, _ in runs["fast path"]]
+        fast = runs["fast path"]
         for name in names:
-            walls = [wall for wall, _ in runs[name]]
+            walls, cpus, rss = zip(*runs[name])
             rows.append((f"{size:,.0f} MB", kind, name, min(walls), size / min(walls),
-                         min(w / f for w, f in zip(walls, fast)),
-                         max(rss for _, rss in runs[name])))
+                         min(w / f[0] for w, f in zip(walls, fast)), min(cpus),
+                         min(c / f[1] for c, f in zip(cpus, fast)), max(rss)))
         for path in out.iterdir():
             path.unlink() if path.is_file() else None
     corpus.unlink()
@@ -202,10 +205,12 @@ def main():
     print(f"{len(os.sched_getaffinity(0))} CPUs, --workers {args.workers}, vocab "
           f"{args.vocab:,}, best of {args.repeat}; load average now "
           f"{os.getloadavg()[0]:.1f}; all outputs byte-identical")
-    print(f"| input | tokenizer | path | wall s | MB/s | x fast path | peak RSS MB |")
-    print("|---|---|---|---:|---:|---:|---:|")
-    for size, kind, name, wall, rate, ratio, rss in rows:
-        print(f"| {size} | {kind} | {name} | {wall:.2f} | {rate:.1f} | {ratio:.2f} | {rss:,.0f} |")
+    print("| input | tokenizer | path | wall s | MB/s | wall / fast path's | CPU s "
+          "| CPU / fast path's | peak RSS MB |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for size, kind, name, wall, rate, ratio, cpu, cpu_ratio, rss in rows:
+        print(f"| {size} | {kind} | {name} | {wall:.2f} | {rate:.1f} | {ratio:.2f} | {cpu:.2f} "
+              f"| {cpu_ratio:.2f} | {rss:,.0f} |")
 
 
 if __name__ == "__main__":
