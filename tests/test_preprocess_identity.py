@@ -244,3 +244,18 @@ def test_a_reloaded_encoder_gives_the_same_ids(tokenizer, corpus_texts):
     for i in range(0, 600, 200):
         assert first_difference(encoder, reference, corpus_texts[i:i + 200]) is None
     assert encoder.reloads == 3
+
+
+def test_native_txt_agrees(tmp_path, corpus_texts):
+    lines = [t.replace("\n", " ") for t in corpus_texts[:300]]
+    lines[3:8] = ["", "  \t", "\r", "crlf line\r", "two\r\r"]
+    lines[9] = "\u3000 not blank to the per-record reader either"
+    (tmp_path / "in.txt").write_bytes("\n".join(lines).encode() + b"\n\n \n")
+    (tmp_path / "end.txt").write_bytes(b"no newline at the end")
+    for name in ("in.txt", "end.txt"):
+        chunks = list(_both_ways(tmp_path / name, chunk_bytes=5000))
+        assert all(native is not None for native, _ in chunks)
+        for native, per_record in chunks:
+            assert native == per_record
+    (tmp_path / "bad.txt").write_bytes(b"fine\nnot \xff utf-8\n")
+    assert [native for native, _ in _both_ways(tmp_path / "bad.txt")] == [None]

@@ -11,6 +11,7 @@ per-record way (that finds and locates every bad record):
   must accept it with every key a string (it rejects what Python's `json` rejects here,
   and lone surrogates and duplicate keys besides).
 - Parquet: the key columns must be string columns.
+- Plain text: the chunk must be valid UTF-8.
 
 Either way no text may be missing (null).
 
@@ -49,7 +50,7 @@ def chunk_columns(chunk: Chunk, keys: Sequence[str]) -> Optional[Columns]:
         return _jsonl_columns(chunk, keys)
     if chunk.shard.kind == "parquet":
         return _parquet_columns(chunk, keys)
-    return None
+    return _txt_columns(chunk)
 
 
 def _jsonl_columns(chunk: Chunk, keys: Sequence[str]) -> Optional[Columns]:
@@ -103,6 +104,24 @@ def _valid_utf8(data: bytes) -> bool:
     except pa.ArrowInvalid:
         return False
     return True
+
+
+def _txt_columns(chunk: Chunk) -> Optional[Columns]:
+    """Every line not blank in ASCII terms (the per-record reader's `bytes.isspace`), less
+    its trailing carriage returns."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    data = chunk.data
+    if not data or not _valid_utf8(data):
+        return None
+    ends = np.flatnonzero(np.frombuffer(data, np.uint8) == ord("\n")) + 1
+    offsets = np.concatenate(([0], ends, [] if data.endswith(b"\n") else [len(data)]))
+    lines = pa.LargeStringArray.from_buffers(
+        len(offsets) - 1, pa.py_buffer(offsets.astype(np.int64)), pa.py_buffer(data))
+    lines = pc.utf8_rtrim(lines, characters="\r\n")
+    blank = pc.match_substring_regex(lines, "^[\t\n\x0b\x0c\r ]*$")
+    return Columns([lines.filter(pc.invert(blank))], [])
 
 
 def _parquet_columns(chunk: Chunk, keys: Sequence[str]) -> Optional[Columns]:

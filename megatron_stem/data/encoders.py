@@ -21,7 +21,8 @@ import json
 import os
 import threading
 from itertools import chain
-from typing import Callable, Optional, Sequence, Union
+from pathlib import Path
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -59,8 +60,8 @@ class GigatokenEncoder:
     size, and a long run's memory with it. So once the process's resident memory has grown
     `cache_limit` bytes beyond what it was when the encoder was made, the encoder is
     loaded afresh from `tokenizer_json` (a tenth of a second) and the old one, cache and
-    all, is freed when the calls running on it return. Only Linux tells the resident memory cheaply
-    (/proc/self/statm); elsewhere the cache is left alone.
+    all, is freed when the calls running on it return. Only Linux tells the resident
+    memory cheaply (/proc/self/statm); elsewhere the cache is left alone.
     """
 
     name = "gigatoken"
@@ -162,7 +163,7 @@ def _sentencepiece_json(tokenizer: SentencePieceTokenizer) -> str:
     import sentencepiece
     from gigatoken._load.sentencepiece import sentencepiece_to_tokenizer_json
 
-    model = open(tokenizer.path, "rb").read()
+    model = Path(tokenizer.path).read_bytes()
     sp = sentencepiece.SentencePieceProcessor(model_proto=model)
     config = json.loads(sentencepiece_to_tokenizer_json(model))
     inert = {sp.id_to_piece(i) for i in range(sp.vocab_size())
