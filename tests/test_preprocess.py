@@ -371,6 +371,7 @@ def test_same_bytes_whatever_workers_chunking_and_backend(shards, reference, sp_
         stats = run([shards], tmp_path / f"w{workers}_{chunk}_{backend}" / "out", sp_model,
                     workers=workers, chunk_bytes=chunk, tokenizer_backend=backend)
         assert output_bytes(stats["outputs"]["text"]) == reference, (workers, chunk, backend)
+        assert stats["this_run"]["tokenizer_backend"] == backend
     assert stats["shards"] == 8
 
 

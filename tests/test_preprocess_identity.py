@@ -152,6 +152,7 @@ def test_a_tokenizer_gigatoken_cannot_load_falls_back(tmp_path, corpus_texts):
         _run(tmp_path, [tmp_path / "in.jsonl"], "huggingface", str(tmp_path), "gigatoken")
     stats = _run(tmp_path, [tmp_path / "in.jsonl"], "huggingface", str(tmp_path), "auto")
     assert stats["documents"] == 1 and stats["tokens"] == len(corpus_texts[0].split()) + 1
+    assert stats["this_run"]["tokenizer_backend"] == "reference"
 
 
 def test_verify_tokenizer_stops_a_run_on_a_difference(tmp_path, sp_model, monkeypatch):

@@ -177,6 +177,7 @@ class _Job:
         self.identity = _digest({"settings": self.settings,
                                  "shards": [s.identity() for s in self.shards]})
         self.run_stats = Counter()  # this run's own work
+        self.encoder = None  # made when there is something to tokenize
         self.live_errors = 0
 
     # -- driver
@@ -405,7 +406,8 @@ class _Job:
                 "input_bytes": r["input_bytes"], "chunks_processed": r["chunks_processed"],
                 "chunks_resumed": r["chunks_resumed"], "shards_resumed": r["shards_resumed"],
                 "docs_per_s": rate(r["documents"]), "tokens_per_s": rate(r["tokens"]),
-                "mb_per_s": round(r["input_bytes"] / 1e6 / seconds, 3) if seconds > 0 else 0.0}
+                "mb_per_s": round(r["input_bytes"] / 1e6 / seconds, 3) if seconds > 0 else 0.0,
+                "tokenizer_backend": self.encoder.name if self.encoder else None}
 
     def _up_to_date(self) -> Optional[dict]:
         stats = _read_json(self.cfg.stats_path)
@@ -540,7 +542,7 @@ def format_summary(stats: dict) -> str:
     if run["chunks_processed"]:
         lines.append(f"this run: {run['documents']:,} docs in {stats['seconds']:.1f} s "
                      f"({run['docs_per_s']:,.0f} docs/s, {run['tokens_per_s']:,.0f} tokens/s, "
-                     f"{run['mb_per_s']:.2f} MB/s){resumed}")
+                     f"{run['mb_per_s']:.2f} MB/s, {run['tokenizer_backend']}){resumed}")
     else:
         lines.append(f"this run: nothing left to tokenize{resumed}; {stats['seconds']:.1f} s")
     return "\n".join(lines)
