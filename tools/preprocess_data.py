@@ -36,9 +36,10 @@ def parse_args(argv=None) -> PreprocessConfig:
                      default="auto",
                      help="gigatoken (several times faster, same ids) or the reference "
                           "sentencepiece/tokenizers; auto: gigatoken where it loads the model")
-    tok.add_argument("--verify-tokenizer", type=int, default=100, metavar="N",
+    tok.add_argument("--verify-tokenizer", type=int, default=32, metavar="N",
                      help="with gigatoken, first check that it gives the reference library's "
-                          "ids on the run's first N documents (0: do not)")
+                          "ids on the run's first N documents (their first 2,048 characters; "
+                          "0: do not)")
     tok.add_argument("--append-eod", action="store_true",
                      help="end every document with the tokenizer's end-of-document token")
     run = ap.add_argument_group("running")
