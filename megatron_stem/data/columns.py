@@ -22,6 +22,7 @@ skipped with their line, found by a regular expression built from Python's own
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -143,20 +144,18 @@ def _parquet_columns(chunk: Chunk, keys: Sequence[str]) -> Optional[Columns]:
 def _documents(columns: list, keys: Sequence[str], first_line: int) -> Optional[Columns]:
     """Drop the records with an empty or blank text, each a `Skip` like the per-record
     readers make (the first such key of the record is named). None if a text is missing
-    (null)."""
-    import pyarrow as pa
+    (null). Arrow compute only: numpy's view of an Arrow array would import pandas."""
     import pyarrow.compute as pc
 
     if any(c.null_count for c in columns):
         return None
-
-    blank = [np.asarray(pc.match_substring_regex(c, _BLANK)) for c in columns]
-    dropped = np.logical_or.reduce(blank)
-    if not dropped.any():
+    blank = [pc.match_substring_regex(c, _BLANK) for c in columns]
+    dropped = functools.reduce(pc.or_, blank)
+    if not pc.any(dropped).as_py():
         return Columns(columns, [])
-    rows = np.flatnonzero(dropped)
-    which = np.argmax(np.stack(blank)[:, rows], axis=0)
-    skips = [Skip(first_line + int(row), EMPTY, f"{keys[k]!r} is empty")
-             for row, k in zip(rows, which)]
-    keep = pa.array(~dropped)
-    return Columns([c.filter(keep) for c in columns], skips)
+    skips = []
+    for row in pc.indices_nonzero(dropped).to_pylist():  # the skipped records only
+        key = next(k for k, b in zip(keys, blank) if b[row].as_py())
+        skips.append(Skip(first_line + row, EMPTY, f"{key!r} is empty"))
+    kept = pc.invert(dropped)
+    return Columns([c.filter(kept) for c in columns], skips)

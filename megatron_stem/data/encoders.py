@@ -88,6 +88,9 @@ class GigatokenEncoder:
             if _resident_bytes() - self._baseline > self.cache_limit:
                 self.tokenizer = self._load()
                 self.reloads += 1
+                # What the process holds besides the cache (large inputs, other threads'
+                # chunks) is the new baseline: it must not make every call reload.
+                self._baseline = _resident_bytes()
 
     def _load(self):
         import gigatoken
