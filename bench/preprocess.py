@@ -15,7 +15,7 @@ so that their ratio is measured under the same load:
   W threads), then one .bin/.idx write: the speed limit, holding everything in memory
   (how Megatron-LM's preprocess_data_fast.py works);
 - reference: tools/preprocess_data.py --tokenizer-backend reference (sentencepiece /
-  tokenizers in W processes), on sizes up to `--reference-max-mb`.
+  tokenizers in W processes), once, on sizes up to `--reference-max-mb`.
 
 Every path's .bin/.idx must be byte-identical to ours. Printed per path: the best wall
 time of `--repeat` runs, MB/s, its ratio to the fast path's in the same repeat (the best
@@ -159,8 +159,8 @@ def bench_size(megabytes: float, models: dict, args, tmp: Path) -> list:
         names = ["ours", "fast path"] + (["reference"] if megabytes <= args.reference_max_mb
                                          else [])
         runs = {name: [] for name in names}
-        for _ in range(args.repeat):
-            for name in names:
+        for repeat in range(args.repeat):
+            for name in names[:2] if repeat else names:  # the reference path once
                 for stale in out.glob(f"{name.split()[0]}*"):  # ours would be up to date
                     stale.unlink()
                 runs[name].append(timed(cmds[name], env))
