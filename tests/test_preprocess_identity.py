@@ -59,24 +59,34 @@ def tokenizer(request, sp_model, hf_tokenizer):
     return load_tokenizer(request.param, model)
 
 
-def assert_same_ids(tokenizer, texts: list) -> None:
+@pytest.fixture(scope="module")
+def encoders(tokenizer):
+    """(gigatoken, reference) encoders of `tokenizer`."""
     encoder, note = load_encoder(tokenizer, "gigatoken")
     assert isinstance(encoder, GigatokenEncoder) and note is None
-    assert first_difference(encoder, ReferenceEncoder(tokenizer), texts) is None
+    return encoder, ReferenceEncoder(tokenizer)
+
+
+def assert_same_ids(encoders, texts: list) -> None:
+    encoder, reference = encoders
+    assert first_difference(encoder, reference, texts) is None
     # ... and through Arrow, as the fast path hands texts over.
     flat, lengths = encoder.encode(pa.array(texts, pa.string()).slice(1))
-    ref_flat, ref_lengths = ReferenceEncoder(tokenizer).encode(texts[1:])
+    ref_flat, ref_lengths = reference.encode(texts[1:])
     assert np.array_equal(lengths, ref_lengths) and np.array_equal(flat, ref_flat)
 
 
-def test_same_ids_on_the_shipped_corpus(tokenizer):
-    assert_same_ids(tokenizer, corpus_texts_all())
+# Minutes of the reference libraries' time on a busy machine: not in the unit subset.
+@pytest.mark.integration
+def test_same_ids_on_the_shipped_corpus(encoders):
+    assert_same_ids(encoders, corpus_texts_all())
 
 
-def test_same_ids_on_adversarial_text(tokenizer):
-    assert_same_ids(tokenizer, ADVERSARIAL)
+@pytest.mark.integration
+def test_same_ids_on_adversarial_text(encoders):
+    assert_same_ids(encoders, ADVERSARIAL)
     for text in ADVERSARIAL:  # one by one too: nothing depends on the batch's other texts
-        assert_same_ids(tokenizer, ["x", text])
+        assert_same_ids(encoders, ["x", text])
 
 
 def test_first_difference_finds_the_document_and_token(tokenizer):
