@@ -18,7 +18,7 @@ so that their ratio is measured under the same load:
   tokenizers in W processes), once, on sizes up to `--reference-max-mb`.
 
 Every path's .bin/.idx must be byte-identical to ours. Printed per path: the best wall
-time of `--repeat` runs, MB/s, its ratio to the fast path's in the same repeat (the best
+time of `--repeat` runs, MB/s, its ratio to the fast path's in the same repeat (the median
 of those ratios), the same for CPU time (user + system, of the process and its
 children: on a busy machine wall time mostly measures the neighbours, CPU time much
 less), and peak RSS (the largest process: ours is one process, the reference path's
@@ -32,6 +32,7 @@ import gzip
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -173,8 +174,8 @@ def bench_size(megabytes: float, models: dict, args, tmp: Path) -> list:
         for name in names:
             walls, cpus, rss = zip(*runs[name])
             rows.append((f"{size:,.0f} MB", kind, name, min(walls), size / min(walls),
-                         min(w / f[0] for w, f in zip(walls, fast)), min(cpus),
-                         min(c / f[1] for c, f in zip(cpus, fast)), max(rss)))
+                         statistics.median(w / f[0] for w, f in zip(walls, fast)), min(cpus),
+                         statistics.median(c / f[1] for c, f in zip(cpus, fast)), max(rss)))
         for path in out.iterdir():
             path.unlink() if path.is_file() else None
     corpus.unlink()
