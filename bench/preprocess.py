@@ -1,145 +1,221 @@
-"""Preprocessing throughput for 1 and 2 workers vs the tokenizer's own encode rate.
+"""Preprocessing: ours vs the fast path vs the reference libraries, per tokenizer kind.
 
-    python bench/preprocess.py [--copies 4] [--workers 1 2] [--tokenizer-model M.model]
+    python bench/preprocess.py [--sizes-mb 100 1000] [--workers 2] [--repeat 2]
 
-Runs side by side on the shipped corpus (data_corpus/gcide.jsonl.gz, repeated `--copies`
-times as separate input files so that worker start-up is a small part of the run), once
-as shipped (short dictionary entries: per-document costs weigh most) and once with
-`--join` entries per document (lengths like web text's):
+For each size, a JSON Lines corpus of real English text is made under /tmp (the shipped
+data_corpus/gcide.jsonl.gz, `--join` dictionary entries per document so that documents
+have web-like lengths, repeated to the size; deleted afterwards), and two tokenizers are
+trained on the shipped corpus (SentencePiece BPE with byte fallback, by
+tools/train_tokenizer.py's trainer; a Hugging Face byte-level BPE tokenizer.json). Each
+path then runs as its own process, ours and the fast path back to back in every repeat,
+so that their ratio is measured under the same load:
 
-- raw encode: `Tokenizer.encode_batch` on the same texts, one thread, texts already in
-  memory (the floor: nothing but tokenizing);
-- the whole pipeline (`preprocess()`: decompress, parse, tokenize, write parts, merge)
-  with each worker count.
+- ours: tools/preprocess_data.py --workers W (gigatoken, streaming, resumable);
+- fast path: gigatoken `encode_files` over the whole file (its own JSONL reader and
+  W threads), then one .bin/.idx write: the speed limit, holding everything in memory
+  (how Megatron-LM's preprocess_data_fast.py works);
+- reference: tools/preprocess_data.py --tokenizer-backend reference (sentencepiece /
+  tokenizers in W processes), once, on sizes up to `--reference-max-mb`.
 
-The limit the pipeline is held to: tokenizer-bound, within 1.3x of raw encode time per
-worker, i.e. wall x workers / encode <= 1.3. On a shared machine wall time also measures
-the neighbours, so each figure is the best of `--repeat` runs and CPU time (workers +
-main process) / encode CPU time is printed too.
-Without --tokenizer-model a 4,096-piece SentencePiece model is trained first (as in the
-quickstart).
+Every path's .bin/.idx must be byte-identical to ours. Printed per path: the best wall
+time of `--repeat` runs, MB/s, its ratio to the fast path's in the same repeat (the median
+of those ratios), the same for CPU time (user + system, of the process and its
+children: on a busy machine wall time mostly measures the neighbours, CPU time much
+less), and peak RSS (the largest process: ours is one process, the reference path's
+workers are measured one by one). The goal: ours <= 1.25x the fast path, with a peak RSS
+that does not grow with the input.
 """
 
 import argparse
+import filecmp
 import gzip
 import json
 import os
-import resource
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from megatron_stem.data.preprocess import PreprocessConfig, preprocess
-from megatron_stem.data.tokenizer_training import TokenizerTrainingConfig, train_sentencepiece
-from megatron_stem.tokenizer import load_tokenizer
-
-CORPUS = Path(__file__).resolve().parent.parent / "data_corpus" / "gcide.jsonl.gz"
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "data_corpus" / "gcide.jsonl.gz"
+KINDS = ("sentencepiece", "huggingface")
 
 
-def children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+# --- inputs ------------------------------------------------------------------------------
 
 
-def encode_rate(tokenizer, texts: list, batch: int = 1024) -> tuple[float, float, int]:
-    """(wall s, CPU s, tokens) of encoding every text, in the pipeline's batch size."""
-    wall, cpu, tokens = time.perf_counter(), time.process_time(), 0
-    for i in range(0, len(texts), batch):
-        tokens += sum(map(len, tokenizer.encode_batch(texts[i:i + batch])))
-    return time.perf_counter() - wall, time.process_time() - cpu, tokens
+def make_corpus(path: Path, megabytes: float, join: int) -> int:
+    """Write about `megabytes` MB of JSONL; return the number of documents."""
+    with gzip.open(CORPUS) as f:
+        entries = [json.loads(line)["text"] for line in f]
+    lines = [json.dumps({"id": i, "text": "\n\n".join(entries[j:j + join])},
+                        ensure_ascii=False).encode() + b"\n"
+             for i, j in enumerate(range(0, len(entries), join))]
+    size, docs, target = 0, 0, megabytes * 1e6
+    with open(path, "wb") as f:
+        while size < target:
+            for line in lines:
+                f.write(line)
+                size, docs = size + len(line), docs + 1
+                if size >= target:
+                    break
+    return docs
 
 
-def bench(texts: list, tmp: Path, name: str, copies: int, worker_counts: list,
-          tokenizer_type: str, model: str, repeat: int) -> list:
-    """Rows (name, wall, cpu, docs, tokens, MB, workers): raw encode, then the pipeline;
-    the best of `repeat` runs each (on a shared machine the others are the neighbours')."""
-    tokenizer = load_tokenizer(tokenizer_type, model)
-    corpus, inputs = tmp / f"{name}.jsonl.gz", tmp / name
-    with gzip.open(corpus, "wb") as f:
-        f.writelines(json.dumps({"text": t}).encode() + b"\n" for t in texts)
-    inputs.mkdir()
-    for i in range(copies):  # separate input files, as a sharded corpus has
-        (inputs / f"shard-{i:03d}.jsonl.gz").symlink_to(corpus)
-    texts = texts * copies
-    text_mb = sum(len(t.encode()) for t in texts) / 1e6
+def train_tokenizers(folder: Path, vocab: int) -> dict:
+    """{kind: model path}: the SentencePiece model by our trainer, and a byte-level BPE
+    tokenizer.json by Hugging Face `tokenizers`, both on the shipped corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    runs = [encode_rate(tokenizer, texts) for _ in range(repeat)]
-    tokens = runs[0][2]
-    rows = [("raw encode, 1 thread", min(r[0] for r in runs), min(r[1] for r in runs),
-             len(texts), tokens, text_mb, 1)]
-    for workers in worker_counts:
-        runs = []
-        for i in range(repeat):
-            out = tmp / f"{name}-out{workers}-{i}"
-            cpu0, wall0 = children_cpu() + time.process_time(), time.perf_counter()
-            stats = preprocess(PreprocessConfig(
-                inputs=[str(inputs)], output_prefix=str(out / "corpus"),
-                tokenizer_type=tokenizer_type, tokenizer_model=model, append_eod=True,
-                workers=workers), log=None)
-            runs.append((time.perf_counter() - wall0,
-                         children_cpu() + time.process_time() - cpu0))  # workers reaped
-            shutil.rmtree(out)
-            if stats["tokens"] != tokens + len(texts):  # + one end-of-document each
-                sys.exit("error: the pipeline's token count differs from the raw encode's")
-        rows.append((f"preprocess, {workers} worker{'s' * (workers > 1)}",
-                     min(r[0] for r in runs), min(r[1] for r in runs), stats["documents"],
-                     stats["tokens"], stats["input_bytes"] / 1e6, workers))
+    from megatron_stem.data.tokenizer_training import (TokenizerTrainingConfig,
+                                                       train_sentencepiece)
+
+    sp = train_sentencepiece(TokenizerTrainingConfig(
+        inputs=[str(CORPUS)], output_prefix=str(folder / "sp"), vocab_size=vocab,
+        threads=len(os.sched_getaffinity(0))), log=None)["model"]
+    with gzip.open(CORPUS) as f:
+        texts = [json.loads(line)["text"] for line in f]
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<|endoftext|>", "<pad>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    (folder / "hf").mkdir()
+    hf.save(str(folder / "hf" / "tokenizer.json"))
+    return {"sentencepiece": sp, "huggingface": str(folder / "hf" / "tokenizer.json")}
+
+
+# --- the fast path (run as its own process by `main`) ------------------------------------
+
+
+def fast_path(corpus: str, prefix: str, kind: str, model: str) -> None:
+    """gigatoken.encode_files over the whole file, then one .bin/.idx write."""
+    import gigatoken
+    import numpy as np
+
+    from megatron_stem.data.indexed import PartWriter, token_dtype
+    from megatron_stem.tokenizer import load_tokenizer
+
+    tok = (gigatoken.Tokenizer.from_sentencepiece(model) if kind == "sentencepiece"
+           else gigatoken.Tokenizer(model))
+    eod = load_tokenizer(kind, model).eod
+    layout = tok.encode_files(gigatoken.JsonlFileSource([corpus]), parallel=True).layout
+    offsets = np.asarray(layout.offsets)
+    flat = np.asarray(layout.content.data)[offsets[0]:offsets[-1]]
+    lengths = np.diff(offsets)
+    writer = PartWriter(prefix, token_dtype(tok.vocab_size))
+    writer.add(np.insert(flat, np.cumsum(lengths), eod), lengths + 1)
+    writer.close()
+
+
+# --- running and measuring ---------------------------------------------------------------
+
+
+def timed(argv: list, env: dict) -> tuple[float, float, float]:
+    """(wall s, CPU s, peak RSS MB of the largest process) of a child process and its
+    own children."""
+    start = time.perf_counter()
+    child = subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(child.pid, 0)  # the rusage of this child alone
+    wall = time.perf_counter() - start
+    if status != 0:
+        sys.exit(f"error: {' '.join(argv)} failed:\n{child.stderr.read().decode()}")
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
+
+
+def commands(kind: str, model: str, corpus: Path, out: Path, workers: int) -> dict:
+    tool = [str(ROOT / "tools" / "preprocess_data.py"), "--input", str(corpus),
+            "--tokenizer-type", kind, "--tokenizer-model", model, "--append-eod",
+            "--workers", str(workers), "--log-interval", "1000"]
+    return {
+        "ours": tool + ["--output-prefix", str(out / "ours")],
+        "fast path": [__file__, "fast-path", str(corpus), str(out / "fast_text_document"),
+                      kind, model],
+        "reference": tool + ["--output-prefix", str(out / "reference"),
+                             "--tokenizer-backend", "reference"],
+    }
+
+
+def outputs(out: Path, name: str) -> Path:
+    return out / {"ours": "ours_text_document", "fast path": "fast_text_document",
+                  "reference": "reference_text_document"}[name]
+
+
+def bench_size(megabytes: float, models: dict, args, tmp: Path) -> list:
+    corpus = tmp / f"corpus-{megabytes:g}MB.jsonl"
+    docs = make_corpus(corpus, megabytes, args.join)
+    size = corpus.stat().st_size / 1e6
+    env = dict(os.environ, RAYON_NUM_THREADS=str(args.workers),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    rows = []
+    for kind in KINDS:
+        out = tmp / f"out-{kind}"
+        out.mkdir()
+        cmds = commands(kind, models[kind], corpus, out, args.workers)
+        names = ["ours", "fast path"] + (["reference"] if megabytes <= args.reference_max_mb
+                                         else [])
+        runs = {name: [] for name in names}
+        for repeat in range(args.repeat):
+            for name in names[:2] if repeat else names:  # the reference path once
+                for stale in out.glob(f"{name.split()[0]}*"):  # ours would be up to date
+                    stale.unlink()
+                runs[name].append(timed(cmds[name], env))
+        ours = outputs(out, "ours")
+        for name in names[1:]:
+            for ext in (".bin", ".idx"):
+                if not filecmp.cmp(f"{ours}{ext}", f"{outputs(out, name)}{ext}", shallow=False):
+                    sys.exit(f"error: {kind}: {name}'s {ext} differs from ours")
+        fast = runs["fast path"]
+        for name in names:
+            walls, cpus, rss = zip(*runs[name])
+            rows.append((f"{size:,.0f} MB", kind, name, min(walls), size / min(walls),
+                         statistics.median(w / f[0] for w, f in zip(walls, fast)), min(cpus),
+                         statistics.median(c / f[1] for c, f in zip(cpus, fast)), max(rss)))
+        for path in out.iterdir():
+            path.unlink() if path.is_file() else None
+    corpus.unlink()
+    print(f"{size:,.0f} MB corpus: {docs:,} documents", file=sys.stderr)
     return rows
-
-
-def print_table(title: str, rows: list) -> None:
-    encode_wall, encode_cpu = rows[0][1], rows[0][2]
-    print(f"\n{title}")
-    print(f"{'':<24}{'wall s':>8}{'docs/s':>10}{'tokens/s':>12}{'MB/s':>8}{'CPU s':>8}"
-          f"{'wall x workers':>16}{'CPU':>7}")
-    print(f"{'':<24}{'':>8}{'':>10}{'':>12}{'':>8}{'':>8}{'/ encode':>16}{'/ enc':>7}")
-    for name, wall, cpu, docs, toks, mb, workers in rows:
-        print(f"{name:<24}{wall:>8.2f}{docs / wall:>10,.0f}{toks / wall:>12,.0f}"
-              f"{mb / wall:>8.2f}{cpu:>8.2f}{wall * workers / encode_wall:>16.2f}"
-              f"{cpu / encode_cpu:>7.2f}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--copies", type=int, default=4, help="input files, each the corpus")
-    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--join", type=int, default=16,
-                    help="second run: this many entries per document (web-like lengths)")
-    ap.add_argument("--repeat", type=int, default=3, help="runs of each; the best is shown")
-    ap.add_argument("--tokenizer-type", default="sentencepiece")
-    ap.add_argument("--tokenizer-model", help="default: train a 4,096-piece model first")
+    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[100.0])
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=2, help="runs of each path; best shown")
+    ap.add_argument("--join", type=int, default=8,
+                    help="dictionary entries per document (8: about 1.9 kB, web-like)")
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--reference-max-mb", type=float, default=200,
+                    help="run the reference path only on corpora up to this size (slow)")
     args = ap.parse_args()
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread, as in the workers
-
-    with gzip.open(CORPUS) as f:
-        entries = [json.loads(line)["text"] for line in f]
-    joined = ["\n\n".join(entries[i:i + args.join]) for i in range(0, len(entries), args.join)]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
         tmp = Path(tmp)
-        model = args.tokenizer_model
-        if model is None:
-            model = train_sentencepiece(TokenizerTrainingConfig(
-                inputs=[str(CORPUS)], output_prefix=str(tmp / "tok" / "gcide"), vocab_size=4096,
-                threads=len(os.sched_getaffinity(0))), log=None)["model"]
-        tables = [
-            (f"{CORPUS.name} as shipped, x {args.copies} files: {len(entries) * args.copies:,} "
-             f"docs of {sum(map(len, entries)) / len(entries):,.0f} chars on average",
-             bench(entries, tmp, "entries", args.copies, args.workers, args.tokenizer_type,
-                   model, args.repeat)),
-            (f"the same text, {args.join} entries per doc: {len(joined) * args.copies:,} docs of "
-             f"{sum(map(len, joined)) / len(joined):,.0f} chars (web-like lengths)",
-             bench(joined, tmp, "joined", args.copies, args.workers, args.tokenizer_type,
-                   model, args.repeat)),
-        ]
-        vocab = load_tokenizer(args.tokenizer_type, model).vocab_size
-    print(f"tokenizer {Path(model).name} ({args.tokenizer_type}, vocab {vocab:,}); "
-          f"{len(os.sched_getaffinity(0))} CPUs; best of {args.repeat} runs; limit: wall x "
-          f"workers / encode <= 1.3; load average now {os.getloadavg()[0]:.1f}")
-    for title, rows in tables:
-        print_table(title, rows)
+        (tmp / "tok").mkdir()
+        models = train_tokenizers(tmp / "tok", args.vocab)
+        rows = []
+        for megabytes in args.sizes_mb:
+            (tmp / "run").mkdir()
+            rows += bench_size(megabytes, models, args, tmp / "run")
+            shutil.rmtree(tmp / "run")
+    print(f"{len(os.sched_getaffinity(0))} CPUs, --workers {args.workers}, vocab "
+          f"{args.vocab:,}, best of {args.repeat}; load average now "
+          f"{os.getloadavg()[0]:.1f}; all outputs byte-identical")
+    print("| input | tokenizer | path | wall s | MB/s | wall / fast path's | CPU s "
+          "| CPU / fast path's | peak RSS MB |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for size, kind, name, wall, rate, ratio, cpu, cpu_ratio, rss in rows:
+        print(f"| {size} | {kind} | {name} | {wall:.2f} | {rate:.1f} | {ratio:.2f} | {cpu:.2f} "
+              f"| {cpu_ratio:.2f} | {rss:,.0f} |")
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["fast-path"]:
+        fast_path(*sys.argv[2:])
+    else:
+        main()

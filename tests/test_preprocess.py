@@ -358,16 +358,20 @@ def shards(tmp_path_factory, corpus_texts):
 
 @pytest.fixture(scope="module")
 def reference(shards, sp_model, tmp_path_factory):
-    """The uninterrupted run's output, one worker."""
-    stats = run([shards], tmp_path_factory.mktemp("ref") / "out", sp_model, workers=1)
+    """The uninterrupted run's output, one worker, the reference library (sentencepiece)."""
+    stats = run([shards], tmp_path_factory.mktemp("ref") / "out", sp_model, workers=1,
+                tokenizer_backend="reference")
     return output_bytes(stats["outputs"]["text"])
 
 
-def test_same_bytes_whatever_workers_and_chunking(shards, reference, sp_model, tmp_path):
-    for workers, chunk in ((2, None), (2, 3000), (1, 1 << 30)):
-        stats = run([shards], tmp_path / f"w{workers}_{chunk}" / "out", sp_model,
-                    workers=workers, chunk_bytes=chunk)
-        assert output_bytes(stats["outputs"]["text"]) == reference, (workers, chunk)
+def test_same_bytes_whatever_workers_chunking_and_backend(shards, reference, sp_model,
+                                                         tmp_path):
+    for workers, chunk, backend in ((2, None, "gigatoken"), (3, 3000, "gigatoken"),
+                                    (1, 1 << 30, "gigatoken"), (2, 3000, "reference")):
+        stats = run([shards], tmp_path / f"w{workers}_{chunk}_{backend}" / "out", sp_model,
+                    workers=workers, chunk_bytes=chunk, tokenizer_backend=backend)
+        assert output_bytes(stats["outputs"]["text"]) == reference, (workers, chunk, backend)
+        assert stats["this_run"]["tokenizer_backend"] == backend
     assert stats["shards"] == 8
 
 
@@ -456,3 +460,28 @@ def test_outputs_among_the_inputs_are_not_read_back(tmp_path, sp_model, tok):
         stats = run([tmp_path], tmp_path / "out", sp_model, keep_parts=True)
     assert stats["shards"] == 1
     assert read_documents(stats["outputs"]["text"]) == expected_ids(tok, ["only document"])
+
+
+def test_a_failed_chunk_leaves_its_file_unfinished(tmp_path, sp_model, monkeypatch):
+    """A chunk fails while another of the same file is still running: the run stops with
+    the chunk's error, and the file is not marked done (a rerun redoes the chunk)."""
+    from megatron_stem.data import worker
+
+    tokenize = worker.tokenize_chunk
+
+    def second_lingers_last_fails(chunk, *args, **kw):
+        if chunk.index == 2:
+            time.sleep(0.2)
+            raise BadRecord("in.jsonl:150: bad_json: made up")
+        time.sleep(1.0 if chunk.index == 1 else 0)  # finishes after the failure is seen
+        return tokenize(chunk, *args, **kw)
+
+    monkeypatch.setattr(worker, "tokenize_chunk", second_lingers_last_fails)
+    write(tmp_path / "in.jsonl", jsonl_bytes({"text": f"document {i}"} for i in range(200)))
+    with pytest.raises(BadRecord, match="made up"):
+        run([tmp_path / "in.jsonl"], tmp_path / "out", sp_model, workers=3, chunk_bytes=2000,
+            tokenizer_backend="gigatoken")
+    assert not list(tmp_path.glob("out.parts/*/done.json"))
+    monkeypatch.undo()
+    stats = run([tmp_path / "in.jsonl"], tmp_path / "out", sp_model, chunk_bytes=2000)
+    assert stats["documents"] == 200 and stats["this_run"]["chunks_resumed"] == 2

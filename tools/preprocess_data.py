@@ -32,18 +32,27 @@ def parse_args(argv=None) -> PreprocessConfig:
                      help="sentencepiece or huggingface (Megatron-LM's names also work)")
     tok.add_argument("--tokenizer-model", required=True,
                      help="SentencePiece .model, or Hugging Face tokenizer.json (or its folder)")
+    tok.add_argument("--tokenizer-backend", choices=["auto", "gigatoken", "reference"],
+                     default="auto",
+                     help="gigatoken (several times faster, same ids) or the reference "
+                          "sentencepiece/tokenizers; auto: gigatoken where it loads the model")
+    tok.add_argument("--verify-tokenizer", type=int, default=32, metavar="N",
+                     help="with gigatoken, first check that it gives the reference library's "
+                          "ids on the run's first N documents (their first 2,048 characters; "
+                          "0: do not)")
     tok.add_argument("--append-eod", action="store_true",
                      help="end every document with the tokenizer's end-of-document token")
     run = ap.add_argument_group("running")
     run.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
-                     help="tokenizing processes (default: the CPUs available)")
+                     help="tokenizing threads (gigatoken) or processes (default: the CPUs "
+                          "available)")
     run.add_argument("--on-error", choices=["skip", "fail"], default="skip",
                      help="bad records: count, log and skip them, or stop at the first")
     run.add_argument("--log-interval", type=float, default=10.0,
                      help="seconds between progress lines when not on a terminal")
     run.add_argument("--chunk-size-mb", type=float, default=None,
                      help="MiB of text per unit of work and of resume (default: a 16th of "
-                          "each file, 1 to 32 MiB); the output does not depend on it")
+                          "each file, 1 to 8 MiB); the output does not depend on it")
     run.add_argument("--keep-parts", action="store_true",
                      help="keep <prefix>.parts/ (the per-chunk token files) after merging")
     array = ap.add_argument_group("SLURM arrays (see slurm/preprocess.sh)")
@@ -57,7 +66,8 @@ def parse_args(argv=None) -> PreprocessConfig:
     return PreprocessConfig(
         inputs=a.input, output_prefix=a.output_prefix, tokenizer_type=a.tokenizer_type,
         tokenizer_model=a.tokenizer_model, json_keys=a.json_keys, append_eod=a.append_eod,
-        workers=a.workers, on_error=a.on_error,
+        workers=a.workers, tokenizer_backend=a.tokenizer_backend,
+        verify_docs=a.verify_tokenizer, on_error=a.on_error,
         chunk_bytes=None if a.chunk_size_mb is None else int(a.chunk_size_mb * (1 << 20)),
         log_interval=a.log_interval, group_index=a.group_index, num_groups=a.num_groups,
         merge_only=a.merge_only, keep_parts=a.keep_parts)

@@ -4,11 +4,13 @@ How it works:
 
 1. The main process reads the shards in order (decompressing as it goes) and cuts them
    into chunks (`readers.read_chunks`); a chunk is the same in every run.
-2. Worker processes (`worker.py`) tokenize chunks and write each one as its own small
-   `.bin/.idx` part under `<output-prefix>.parts/` (tmp name, fsync, rename; the main
-   process then writes a JSON manifest: a manifest means the part is complete). Token
-   ids never travel back to the main process, and no process holds more than a few
-   chunks of text and one chunk's tokens.
+2. Workers (`worker.py`) tokenize chunks and write each one as its own small `.bin/.idx`
+   part under `<output-prefix>.parts/` (tmp name, fsync, rename; the main process then
+   writes a JSON manifest: a manifest means the part is complete). With gigatoken
+   (`encoders.py`, the default where it loads the tokenizer) the workers are threads:
+   gigatoken, Arrow's JSON reader and the writes all release the GIL. With the reference
+   libraries they are processes, and token ids never travel back to the main process.
+   Either way no more than two chunks per worker are in memory at once.
 3. When every shard is done, the parts are concatenated in shard and chunk order into
    `<output-prefix>_<key>_document.bin/.idx` (`indexed.merge`, streaming), the stats are
    written next to them, and the parts are removed.
@@ -31,30 +33,37 @@ import shutil
 import sys
 import time
 from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence, TextIO
 
 import numpy as np
 
+from megatron_stem.data.encoders import (BACKENDS, GigatokenEncoder, ReferenceEncoder,
+                                         first_difference, load_encoder)
 from megatron_stem.data.indexed import bin_path, idx_path, merge, token_dtype
 from megatron_stem.data.progress import Progress
-from megatron_stem.data.readers import SKIP_REASONS, Chunk, Shard, Skip, find_shards, read_chunks
-from megatron_stem.data.worker import BadRecord, WorkerSettings, fail_message, init_worker, work
+from megatron_stem.data.readers import (SKIP_REASONS, Chunk, Shard, Skip, find_shards, iter_records,
+                                        read_chunks)
+from megatron_stem.data.worker import (BadRecord, ChunkTokenizer, WorkerSettings, fail_message,
+                                       init_worker, work)
 from megatron_stem.errors import UserError
 from megatron_stem.tokenizer import load_tokenizer
 
 # Bump when the parts' layout or content changes: older parts are then redone.
-_FORMAT_VERSION = 1
+# 2: chunks of at most 8 MiB by default (were 32).
+_FORMAT_VERSION = 2
 _LIVE_ERRORS = 10  # skipped records printed as they are found; the rest go to the log
+_VERIFY_CHARS = 2048  # of each document checked by --verify-tokenizer
 
 
 def auto_chunk_bytes(shard: Shard) -> int:
-    """About a 16th of the file's size on disk, within 1..32 MiB of text: a small corpus
-    still spreads over the workers, a large one does not make millions of part files.
-    Depends on the file alone, so adding inputs never invalidates finished work."""
-    return min(max(shard.size // 16, 1 << 20), 32 << 20)
+    """About a 16th of the file's size on disk, within 1..8 MiB of text: a small corpus
+    still spreads over the workers, a large one keeps memory flat (a few chunks per worker
+    are in memory) without making millions of part files (a 1 TB corpus makes about
+    125,000). Depends on the file alone, so adding inputs never invalidates finished work."""
+    return min(max(shard.size // 16, 1 << 20), 8 << 20)
 
 
 @dataclass
@@ -66,6 +75,8 @@ class PreprocessConfig:
     json_keys: list[str] = field(default_factory=lambda: ["text"])
     append_eod: bool = False
     workers: int = 1
+    tokenizer_backend: str = "auto"  # encoders.BACKENDS
+    verify_docs: int = 32  # gigatoken vs the reference library on a run's first documents
     on_error: Literal["skip", "fail"] = "skip"
     chunk_bytes: Optional[int] = None  # text per unit of work; None: `auto_chunk_bytes`
     log_interval: float = 10.0  # seconds between progress lines when not on a terminal
@@ -77,6 +88,11 @@ class PreprocessConfig:
     def validate(self) -> None:
         if self.workers < 1:
             raise UserError(f"--workers: must be >= 1, got {self.workers}")
+        if self.tokenizer_backend not in BACKENDS:
+            raise UserError(f"--tokenizer-backend: expected one of {', '.join(BACKENDS)}, "
+                            f"got {self.tokenizer_backend!r}")
+        if self.verify_docs < 0:
+            raise UserError(f"--verify-tokenizer: must be >= 0, got {self.verify_docs}")
         if self.chunk_bytes is not None and self.chunk_bytes < 1:
             raise UserError(f"--chunk-size-mb: must be positive, got {self.chunk_bytes} bytes")
         if self.on_error not in ("skip", "fail"):
@@ -131,6 +147,7 @@ class _ShardState:
     chunks: int = 0  # cut so far
     pending: int = 0  # submitted, not finished
     read: bool = False  # every chunk has been cut
+    failed: bool = False  # a chunk failed: the shard is not done in this run
     errors: list = field(default_factory=list)  # skips concerning the file, not a chunk
 
 
@@ -161,6 +178,7 @@ class _Job:
         self.identity = _digest({"settings": self.settings,
                                  "shards": [s.identity() for s in self.shards]})
         self.run_stats = Counter()  # this run's own work
+        self.encoder = None  # made when there is something to tokenize
         self.live_errors = 0
 
     # -- driver
@@ -216,15 +234,51 @@ class _Job:
 
     # -- processing
 
+    def _executor(self):
+        """Worker threads sharing one encoder for gigatoken (it releases the GIL); worker
+        processes each loading the tokenizer for the reference libraries. Returns the
+        executor and the task to submit: task(chunk, part prefixes) -> the chunk's summary."""
+        cfg = self.cfg
+        encoder, note = load_encoder(self.tokenizer, cfg.tokenizer_backend)
+        if note:
+            self._say(f"note: {note}")
+        self.encoder = encoder
+        ctx = multiprocessing.get_context("spawn")  # no forked copies of our threads or state
+        self.counters = ctx.Array("q", 2)
+        settings = WorkerSettings(cfg.tokenizer_type, cfg.tokenizer_model, encoder.name,
+                                  tuple(self.keys), self.tokenizer.eod if cfg.append_eod else None,
+                                  cfg.on_error == "fail", np.dtype(self.dtype).name)
+        if isinstance(encoder, GigatokenEncoder):
+            return ThreadPoolExecutor(cfg.workers), ChunkTokenizer(settings, encoder, self.counters)
+        return ProcessPoolExecutor(cfg.workers, ctx, init_worker, (settings, self.counters)), work
+
+    def _verify(self, chunk: Chunk) -> None:
+        """gigatoken's ids on the first documents of the run must be the reference's.
+        Each document is cut to its first `_VERIFY_CHARS` characters (both tokenizers see
+        the same text), so that the reference library's time stays small."""
+        records = []
+        for record in iter_records(chunk, self.keys):
+            if not isinstance(record, Skip):
+                records.append([text[:_VERIFY_CHARS] for text in record])
+                if len(records) == self.cfg.verify_docs:
+                    break
+        reference = ReferenceEncoder(self.tokenizer)
+        for i, key in enumerate(self.keys):
+            texts = [r[i] for r in records]
+            diff = first_difference(self.encoder, reference, texts)
+            if diff is not None:
+                doc, token, ours, theirs = diff
+                raise UserError(
+                    f"--verify-tokenizer: gigatoken's ids differ from the reference "
+                    f"library's for {self.tokenizer.path} on {key!r} of document {doc + 1} "
+                    f"of {chunk.shard.path} chunk {chunk.index} at token {token} "
+                    f"({ours} vs {theirs}); rerun with --tokenizer-backend reference")
+
     def _process(self, shards: list) -> None:
         cfg = self.cfg
         progress = Progress(self.log, sum(s.size for s in shards), cfg.log_interval)
-        ctx = multiprocessing.get_context("spawn")  # no forked copies of our threads or state
-        self.counters = ctx.Array("q", 2)
-        settings = WorkerSettings(cfg.tokenizer_type, cfg.tokenizer_model, tuple(self.keys),
-                                   self.tokenizer.eod if cfg.append_eod else None,
-                                   cfg.on_error == "fail", np.dtype(self.dtype).name)
-        executor = ProcessPoolExecutor(cfg.workers, ctx, init_worker, (settings, self.counters))
+        executor, task = self._executor()
+        unverified = isinstance(self.encoder, GigatokenEncoder) and cfg.verify_docs > 0
         inflight = {}
         try:
             for shard in shards:
@@ -246,8 +300,11 @@ class _Job:
                     # Bounded read-ahead: at most two chunks of text per worker in memory.
                     while len(inflight) >= 2 * cfg.workers:
                         self._collect(inflight, progress, timeout=0.25)
+                    if unverified:
+                        self._verify(item)
+                        unverified = False
                     prefixes = self._part_prefixes(state.dir, item.index)
-                    inflight[executor.submit(work, item, prefixes)] = (state, item)
+                    inflight[executor.submit(task, item, prefixes)] = (state, item)
                     state.pending += 1
                     self._collect(inflight, progress, timeout=0)
                 state.read = True
@@ -301,7 +358,9 @@ class _Job:
         for future in done:
             if future.exception() is not None:
                 failure = failure or future.exception()
-                inflight.pop(future)[0].pending -= 1
+                state = inflight.pop(future)[0]
+                state.pending -= 1
+                state.failed = True
             else:
                 self._record(*inflight.pop(future), future.result(), progress)
         if failure is not None:
@@ -323,7 +382,7 @@ class _Job:
 
     def _close_shard(self, state: _ShardState) -> None:
         """Once all its chunks are finished, mark the shard done with its totals."""
-        if not state.read or state.pending:
+        if not state.read or state.pending or state.failed:
             return
         totals = _Totals(self.keys)
         totals.add_errors(state.errors)
@@ -350,7 +409,8 @@ class _Job:
                 "input_bytes": r["input_bytes"], "chunks_processed": r["chunks_processed"],
                 "chunks_resumed": r["chunks_resumed"], "shards_resumed": r["shards_resumed"],
                 "docs_per_s": rate(r["documents"]), "tokens_per_s": rate(r["tokens"]),
-                "mb_per_s": round(r["input_bytes"] / 1e6 / seconds, 3) if seconds > 0 else 0.0}
+                "mb_per_s": round(r["input_bytes"] / 1e6 / seconds, 3) if seconds > 0 else 0.0,
+                "tokenizer_backend": self.encoder.name if self.encoder else None}
 
     def _up_to_date(self) -> Optional[dict]:
         stats = _read_json(self.cfg.stats_path)
@@ -485,7 +545,7 @@ def format_summary(stats: dict) -> str:
     if run["chunks_processed"]:
         lines.append(f"this run: {run['documents']:,} docs in {stats['seconds']:.1f} s "
                      f"({run['docs_per_s']:,.0f} docs/s, {run['tokens_per_s']:,.0f} tokens/s, "
-                     f"{run['mb_per_s']:.2f} MB/s){resumed}")
+                     f"{run['mb_per_s']:.2f} MB/s, {run['tokenizer_backend']}){resumed}")
     else:
         lines.append(f"this run: nothing left to tokenize{resumed}; {stats['seconds']:.1f} s")
     return "\n".join(lines)

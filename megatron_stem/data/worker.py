@@ -1,7 +1,8 @@
 """The worker side of preprocessing: one chunk of text -> one token part per key.
 
-Runs in spawned processes (`init_worker` loads the tokenizer once per process); the
-main process sends chunks and gets back small summaries, never token ids.
+Runs in spawned processes (`init_worker` loads the tokenizer once per process), or, with
+gigatoken, on threads of the main process; either way the main process hands out chunks
+and gets back small summaries, never token ids.
 """
 
 from __future__ import annotations
@@ -12,15 +13,16 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from itertools import chain
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from megatron_stem.data.columns import chunk_columns
+from megatron_stem.data.encoders import load_encoder
 from megatron_stem.data.indexed import PartWriter, bin_path, idx_path
 from megatron_stem.data.readers import Chunk, Skip, iter_records
 from megatron_stem.errors import UserError
-from megatron_stem.tokenizer import Tokenizer, load_tokenizer
+from megatron_stem.tokenizer import load_tokenizer
 
 _BATCH_DOCS, _BATCH_BYTES = 1024, 1 << 20  # documents per call into the tokenizer
 
@@ -29,47 +31,49 @@ class BadRecord(UserError):
     """A record that cannot be used, under --on-error fail."""
 
 
-def tokenize_chunk(chunk: Chunk, tokenizer: Tokenizer, keys: Sequence[str], eod: Optional[int],
+def tokenize_chunk(chunk: Chunk, encoder, keys: Sequence[str], eod: Optional[int],
                    fail: bool, dtype: type, prefixes: dict,
                    report: Callable[[int, int], None] = lambda docs, tokens: None) -> dict:
     """Tokenize a chunk into one part per key (`prefixes[key]`.bin/.idx); return its summary.
 
-    Under `fail`, the first bad record raises `BadRecord` and nothing is written.
+    A clean chunk is parsed natively and encoded in one call per key (`columns`); any
+    other goes record by record, in batches. Under `fail`, the first bad record raises
+    `BadRecord` and nothing is written.
     """
-    tmp = {k: f"{prefixes[k]}.tmp{os.getpid()}" for k in keys}
+    tmp = {k: f"{prefixes[k]}.tmp{os.getpid()}.{threading.get_ident()}" for k in keys}
     writers = {k: PartWriter(tmp[k], dtype) for k in keys}
     skipped, errors = Counter(), []
     docs, tokens = 0, Counter()
-    batch, batch_bytes = [], 0
 
-    def flush():
-        nonlocal docs, batch_bytes
-        if not batch:
-            return
+    def skip(record: Skip) -> None:
+        if fail:
+            raise BadRecord(fail_message(record, chunk.shard.path))
+        skipped[record.reason] += record.count
+        errors.append([record.line, record.reason, record.detail, record.count])
+
+    def write(texts: list) -> None:
+        """`texts`: per key, the same documents' texts."""
+        nonlocal docs
         batch_tokens = 0
-        for i, key in enumerate(keys):
-            flat, lengths = _flatten(tokenizer.encode_batch([r[i] for r in batch]), eod, dtype)
+        for key, column in zip(keys, texts):
+            flat, lengths = encoder.encode(column)
+            if eod is not None:
+                flat, lengths = np.insert(flat, np.cumsum(lengths), eod), lengths + 1
             writers[key].add(flat, lengths)
             tokens[key] += len(flat)
             batch_tokens += len(flat)
-        docs += len(batch)
-        report(len(batch), batch_tokens)
-        batch.clear()
-        batch_bytes = 0
+        docs += len(texts[0])
+        report(len(texts[0]), batch_tokens)
 
     try:
-        for record in iter_records(chunk, keys):
-            if isinstance(record, Skip):
-                if fail:
-                    raise BadRecord(fail_message(record, chunk.shard.path))
-                skipped[record.reason] += record.count
-                errors.append([record.line, record.reason, record.detail, record.count])
-                continue
-            batch.append(record)
-            batch_bytes += sum(map(len, record))
-            if len(batch) >= _BATCH_DOCS or batch_bytes >= _BATCH_BYTES:
-                flush()
-        flush()
+        columns = chunk_columns(chunk, keys)
+        if columns is not None:
+            for record in columns.skips:
+                skip(record)
+            write(columns.texts)
+        else:
+            for batch in _record_batches(chunk, keys, skip):
+                write(batch)
         for w in writers.values():
             w.close()
     except BaseException:
@@ -84,14 +88,22 @@ def tokenize_chunk(chunk: Chunk, tokenizer: Tokenizer, keys: Sequence[str], eod:
             "skipped": dict(skipped), "errors": errors}
 
 
-def _flatten(ids: list, eod: Optional[int], dtype: type) -> tuple[np.ndarray, np.ndarray]:
-    """Token lists -> (all ids back to back, length of each), without a Python int list."""
-    if eod is not None:
-        for doc in ids:
-            doc.append(eod)
-    lengths = np.fromiter(map(len, ids), np.int32, len(ids))
-    flat = np.fromiter(chain.from_iterable(ids), dtype, int(lengths.sum(dtype=np.int64)))
-    return flat, lengths
+def _record_batches(chunk: Chunk, keys: Sequence[str],
+                    skip: Callable[[Skip], None]) -> Iterator[list]:
+    """The chunk's documents record by record, grouped into batches (per key, a list of
+    texts); skipped records go to `skip`."""
+    batch, size = [], 0
+    for record in iter_records(chunk, keys):
+        if isinstance(record, Skip):
+            skip(record)
+            continue
+        batch.append(record)
+        size += sum(map(len, record))
+        if len(batch) >= _BATCH_DOCS or size >= _BATCH_BYTES:
+            yield [list(texts) for texts in zip(*batch)]
+            batch, size = [], 0
+    if batch:
+        yield [list(texts) for texts in zip(*batch)]
 
 
 def fail_message(skip: Skip, path: str) -> str:
@@ -102,13 +114,36 @@ def fail_message(skip: Skip, path: str) -> str:
 class WorkerSettings:
     tokenizer_type: str
     tokenizer_model: str
+    backend: str  # encoders.BACKENDS
     keys: tuple
     eod: Optional[int]
     fail: bool
     dtype: str
 
 
-_worker = {}  # per worker process: settings, tokenizer, shared counters
+class ChunkTokenizer:
+    """`tokenize_chunk` with fixed settings and one encoder, reporting documents and tokens
+    to shared counters (a `multiprocessing.Array` of two, read by the progress line).
+
+    A worker process holds one; with gigatoken, which releases the GIL, the main process
+    holds one that its worker threads share.
+    """
+
+    def __init__(self, settings: WorkerSettings, encoder, counters):
+        self.settings, self.encoder, self.counters = settings, encoder, counters
+
+    def __call__(self, chunk: Chunk, prefixes: dict) -> dict:
+        s = self.settings
+        return tokenize_chunk(chunk, self.encoder, s.keys, s.eod, s.fail,
+                              np.dtype(s.dtype).type, prefixes, self._report)
+
+    def _report(self, docs: int, tokens: int) -> None:
+        with self.counters.get_lock():
+            self.counters[0] += docs
+            self.counters[1] += tokens
+
+
+_worker = {}  # per worker process: its ChunkTokenizer
 
 
 def init_worker(settings: WorkerSettings, counters) -> None:
@@ -118,8 +153,9 @@ def init_worker(settings: WorkerSettings, counters) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker, like sentencepiece
-    _worker.update(settings=settings, counters=counters,
-                   tokenizer=load_tokenizer(settings.tokenizer_type, settings.tokenizer_model))
+    tokenizer = load_tokenizer(settings.tokenizer_type, settings.tokenizer_model)
+    encoder, _ = load_encoder(tokenizer, settings.backend)
+    _worker["tokenize"] = ChunkTokenizer(settings, encoder, counters)
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -128,15 +164,6 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _report(docs: int, tokens: int) -> None:
-    counters = _worker["counters"]
-    with counters.get_lock():
-        counters[0] += docs
-        counters[1] += tokens
-
-
 def work(chunk: Chunk, prefixes: dict) -> dict:
     """The task the main process submits: tokenize `chunk` into the parts at `prefixes`."""
-    s = _worker["settings"]
-    return tokenize_chunk(chunk, _worker["tokenizer"], s.keys, s.eod, s.fail,
-                          np.dtype(s.dtype).type, prefixes, _report)
+    return _worker["tokenize"](chunk, prefixes)
