@@ -54,7 +54,15 @@ DENSE_CHUNK_BYTES = 64 << 20  # `dense` updates this many bytes of fp32 rows at 
 
 class AdamKernel:
     """In-place AdamW on contiguous fp32 CPU tensors: DeepSpeed's `cpu_adam` op, or the
-    same arithmetic in torch where the op cannot be built (no compiler)."""
+    same arithmetic in torch where the op cannot be built (no compiler).
+
+    The op keeps beta1^t and beta2^t as running float32 products, multiplied once per
+    step, and recomputes them with `pow` (a different float32 value at most steps) when a
+    step is not the previous one plus one: after a resume, or after a step in which this
+    rank had no rows to update. `update` first replays the steps the op has not seen, on
+    empty tensors, so its state is always the one of an uninterrupted run: resumes and
+    layouts are bit-exact, and nothing is needed at load time.
+    """
 
     def __init__(self, kind: str, betas: tuple[float, float], eps: float):
         self.betas, self.eps = betas, eps
@@ -65,11 +73,15 @@ class AdamKernel:
             self.op = load_cpu_adam()
             self.id = next(_kernel_ids)
             self.op.create_adam(self.id, 0.0, betas[0], betas[1], eps, 0.0, True, False)
+        self.seen_step = 0  # the last step the op was called with
 
     def update(self, step: int, lr: float, weight_decay: float, param: torch.Tensor,
                grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         b1, b2 = self.betas
         if self.op is not None:
+            replay_deepspeed_steps(self.op, self.id, self.seen_step, step - 1, self.betas,
+                                   self.eps)
+            self.seen_step = step
             self.op.adam_update(self.id, step, lr, b1, b2, self.eps, weight_decay, True,
                                 param, grad, exp_avg, exp_avg_sq)
             return
@@ -78,6 +90,18 @@ class AdamKernel:
         exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
         denom = (exp_avg_sq.sqrt() / math.sqrt(1 - b2 ** step)).add_(self.eps)
         param.addcdiv_(exp_avg, denom, value=-lr / (1 - b1 ** step))
+
+
+def replay_deepspeed_steps(op, opt_id: int, seen: int, upto: int,
+                           betas: tuple[float, float], eps: float) -> None:
+    """Advance DeepSpeed CPU Adam instance `opt_id` (op `op`), last called at step `seen`,
+    through steps seen+1..upto without touching any tensor, so that its running beta
+    powers are those of an instance that ran every step (see `AdamKernel`). For
+    DeepSpeed's own `DeepSpeedCPUAdam` too, which restarts at step 0 after a load."""
+    empty = torch.empty(0)
+    for step in range(seen + 1, upto + 1):
+        op.adam_update(opt_id, step, 0.0, betas[0], betas[1], eps, 0.0, True,
+                       empty, empty, empty, empty)
 
 
 @dataclass
