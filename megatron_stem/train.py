@@ -165,7 +165,7 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     try:
         save_dir = Path(train.save_dir)
         rank0 = dist.get_rank() == 0
-        ckpt = checkpoint.latest(save_dir)
+        ckpt = checkpoint.agreed_resume_point(save_dir, recipe)
         init = checkpoint.resolve(train.init_from) if ckpt is None and train.init_from else None
         model = build_model(recipe.model, recipe.parallel, seed=train.seed,
                             tables=recipe.tables)

@@ -41,8 +41,10 @@ def train(toy_data, tmp_path_factory):
         options = ["--data", toy_data, "--out", out, "--preempt-at", preempt_at,
                    *(["--rss"] if rss else [])]
         save_dir = save_dir or folder / "ckpt"
-        torchrun(nproc, "train_worker.py", *options, f"train.save_dir={save_dir}", *overrides)
-        return {**json.loads(out.read_text()), "folder": folder, "save_dir": save_dir}
+        log = torchrun(nproc, "train_worker.py", *options, f"train.save_dir={save_dir}",
+                       *overrides)
+        return {**json.loads(out.read_text()), "folder": folder, "save_dir": save_dir,
+                "log": log}
     return run
 
 
@@ -85,6 +87,21 @@ def test_kill_and_resume_gives_the_same_curve(train, reference, tmp_path):
     assert first["losses"] + second["losses"] == reference["lazy"]["losses"]
     # One TensorBoard curve: the resumed run keeps the checkpoint step's events.
     assert tensorboard_steps(tmp_path / "tensorboard", "train/loss") == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(train, reference,
+                                                                    tmp_path):
+    """The checkpoint of step 4 lost bytes of a shard after it was committed: the resumed
+    run says so in one line, resumes from step 2 and still gives the reference curve."""
+    first = train(1, "train.save_interval=2", save_dir=tmp_path, preempt_at=4, name="spoilt")
+    shard = tmp_path / "iter_0000004" / "optim" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    second = train(1, "train.save_interval=2", save_dir=tmp_path, name="fallback")
+    assert f"warning: refusing checkpoint iter_0000004: {shard}: 1000 bytes" in second["log"]
+    assert f"warning: falling back to {tmp_path / 'iter_0000002'}, the newest whole " \
+           "checkpoint" in second["log"]
+    assert first["step"] == 4 and len(second["losses"]) == 4
+    assert second["losses"] == reference["lazy"]["losses"][2:]
 
 
 @pytest.mark.parametrize("kernel, update, offload", [
