@@ -313,3 +313,27 @@ def test_optimizer_state_on_the_accelerator_gives_the_same_curve(train, referenc
     result = train(2, "tables.update=dense", "tables.optimizer_device=accelerator",
                    name="accelerator_state")
     assert_same_curve(result["losses"], reference["dense"]["losses"])
+
+
+@pytest.mark.parametrize("variable, value", [("SLURM_GPUS_ON_NODE", "8"),
+                                             ("SLURM_JOB_GPUS", "0,1"),
+                                             ("CUDA_VISIBLE_DEVICES", "0")])
+def test_gpus_given_but_unseen_by_torch_is_one_error_line(monkeypatch, variable, value):
+    """A CPU-only torch wheel on a GPU node would train on gloo without a word."""
+    from megatron_stem import train as trainer
+    from megatron_stem.errors import UserError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(UserError, match=rf"^{variable}={value}: this job has GPUs but torch "
+                                        r"\S+ is a CPU-only build and sees none; install "
+                                        r"torch's CUDA build .*unset " + variable):
+        trainer.check_gpus_visible({variable: value})
+    monkeypatch.setattr(torch.version, "cuda", "12.6")
+    with pytest.raises(UserError, match=r"\(CUDA 12\.6\) sees none: the GPU driver is missing"):
+        trainer.check_gpus_visible({variable: value})
+    # No GPUs given: a CPU run is what was asked for.
+    for environ in ({}, {"SLURM_GPUS_ON_NODE": "0"}, {"CUDA_VISIBLE_DEVICES": ""},
+                    {"CUDA_VISIBLE_DEVICES": "NoDevFiles"}):
+        trainer.check_gpus_visible(environ)
