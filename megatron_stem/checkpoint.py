@@ -10,7 +10,9 @@
         COMPLETE             written last: every other file's size (JSON); a folder
                              without it is not a checkpoint
 
-Dist checkpoints are layout-free: any TP/PP/DP layout loads what any other saved.
+Dist checkpoints are layout-free: any TP/PP/DP layout loads what any other saved. Every
+rank writes its share of the tensors (megatron's fully parallel save strategy over data
+parallel), so a save takes total/DP bytes per rank, not all of it on rank 0.
 A checkpoint is written into `iter_N.tmp/` and renamed into place only when complete, then
 `latest` is replaced atomically, so a crash mid-save never touches the last good one.
 A checkpoint damaged since (a missing or truncated file, `latest` naming nothing, another
@@ -30,6 +32,11 @@ from typing import Callable
 import torch.distributed as dist
 import yaml
 from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelSaveStrategyWrapper,
+)
 
 from megatron_stem.config import Recipe, from_dict, to_dict
 from megatron_stem.errors import UserError
@@ -213,7 +220,18 @@ def save_model(model, folder: Path) -> None:
     if _is_writer():
         (folder / MODEL).mkdir(exist_ok=True)
     _barrier()
-    dist_checkpointing.save(model.sharded_state_dict(), str(folder / MODEL))
+    dist_checkpointing.save(model.sharded_state_dict(), str(folder / MODEL),
+                            sharded_strategy=parallel_save_strategy())
+
+
+def parallel_save_strategy() -> FullyParallelSaveStrategyWrapper | None:
+    """Megatron's torch_dist save with the writes spread over the data-parallel replicas:
+    each tensor shard replicated over DP is written by one of them, chosen to balance the
+    bytes per rank (only metadata is exchanged). Without it DP rank 0 writes them all."""
+    if not dist.is_initialized() or not ps.model_parallel_is_initialized():
+        return None
+    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
+                                            ps.get_data_parallel_group())
 
 
 def load_model(model, ckpt: Path) -> None:

@@ -24,6 +24,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
+from megatron_stem.checkpoint import parallel_save_strategy
 from megatron_stem.training.table_optim import TableOptimizer, replay_deepspeed_steps
 
 OPTIM = "optim"
@@ -105,7 +106,7 @@ def save_optimizers(model, zero_optimizer, tables: TableOptimizer, folder: Path)
 
     (folder / OPTIM).mkdir(exist_ok=True)
     dist_checkpointing.save(_optimizer_sharded_state(model, tables, states_of),
-                            str(folder / OPTIM))
+                            str(folder / OPTIM), sharded_strategy=parallel_save_strategy())
 
 
 def _create_dense_states(zero_optimizer, step: int) -> None:
