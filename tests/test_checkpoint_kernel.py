@@ -1,9 +1,12 @@
-"""DeepSpeed's CPU Adam kernel gives the same bits whatever happened before a step.
+"""DeepSpeed's CPU Adam kernel gives an element the same bits whatever happened before
+the step and whatever else the call updates (training/table_optim.py, `AdamKernel`).
 
 The op keeps beta1^t and beta2^t as running float32 products and falls back to `pow`
 (other bits) when a step is not the previous one plus one: a kernel created at resume, or
 one that had no rows to update at some step, drifted by an ulp from an uninterrupted run.
-`AdamKernel` replays the steps the op has not seen (training/table_optim.py).
+And it updates the elements past the last whole SIMD vector in scalar code that rounds
+the moments differently, so the same rows sliced differently (another placement or data
+parallel layout) drifted too.
 """
 
 import torch
@@ -54,3 +57,17 @@ def test_a_step_without_rows_does_not_change_later_steps():
             _update(busy, step, by_busy, grads[step - 1])
             _update(idle, step, by_idle, grads[step - 1])
     assert all(torch.equal(a, b) for a, b in zip(by_busy, by_idle))
+
+
+def test_an_element_gets_the_same_bits_however_the_tensor_is_sliced():
+    n = 1000
+    grads = _grads(5, n)
+    whole, kernel = _state(n), _kernel()
+    for step in range(1, STEPS + 1):
+        _update(kernel, step, whole, grads[step - 1])
+    for cut in (1, 7, 100, 999):  # a different part of the tensor in the op's scalar tail
+        sliced, kernel = _state(n), _kernel()
+        for step in range(1, STEPS + 1):
+            for part in (slice(0, cut), slice(cut, n)):
+                _update(kernel, step, [t[part] for t in sliced], grads[step - 1][part])
+        assert all(torch.equal(a, b) for a, b in zip(whole, sliced)), cut
