@@ -120,13 +120,36 @@ def test_dp2_killed_and_resumed_is_bit_exact(train, tmp_path, kernel, update, of
     second = train(2, *options, save_dir=tmp_path, name="dp2_resumed")
     assert first["step"] == 5 and second["step"] == 8
     assert first["losses"] + second["losses"] == straight["losses"]
-    # Every weight and optimizer state of the final checkpoints (an ulp shows here long
-    # before it reaches the loss).
+    assert_same_checkpoints(tmp_path / "iter_0000008", straight["save_dir"] / "iter_0000008")
+    # Both ranks wrote their share of each part (megatron's fully parallel save).
     for part in ("model", "optim"):
-        ours = saved_tensors(tmp_path / "iter_0000008" / part)
-        theirs = saved_tensors(straight["save_dir"] / "iter_0000008" / part)
-        assert ours.keys() == theirs.keys()
-        assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
+        written = {}
+        for shard in (tmp_path / "iter_0000005" / part).glob("__*.distcp"):
+            rank = shard.name.split("_")[2]
+            written[rank] = written.get(rank, 0) + shard.stat().st_size
+        assert written.keys() == {"0", "1"} and min(written.values()) > 0.3 * max(written.values())
+
+
+@pytest.mark.xfail(strict=True, reason="row grads and the table grad norm are summed in a "
+                   "placement-dependent order (docs/checkpoints.md, 'Exactness'); the table "
+                   "optimizer rewrite is to fix it")
+@pytest.mark.parametrize("kernel, update", [("torch", "lazy"), ("deepspeed", "dense")])
+def test_host_tables_match_device_tables_bit_for_bit(train, kernel, update):
+    options = [f"tables.kernel={kernel}", f"tables.update={update}", "train.steps=8"]
+    device = train(2, *options, name="placement_device")
+    host = train(2, *options, "tables.placement=host", name="placement_host")
+    assert host["losses"] == device["losses"]
+    assert_same_checkpoints(host["save_dir"] / "iter_0000008",
+                            device["save_dir"] / "iter_0000008")
+
+
+def assert_same_checkpoints(ours, theirs):
+    """Every weight and optimizer state of two checkpoints, bit for bit (an ulp shows here
+    long before it reaches the loss)."""
+    for part in ("model", "optim"):
+        mine, other = saved_tensors(ours / part), saved_tensors(theirs / part)
+        assert mine.keys() == other.keys()
+        assert [k for k in mine if not torch.equal(mine[k], other[k])] == []
 
 
 def saved_tensors(folder) -> dict[str, torch.Tensor]:
