@@ -7,12 +7,12 @@
         model/               megatron dist checkpoint of StemGPTModel.sharded_state_dict()
         optim/               optimizer states (dense and tables), a dist checkpoint too
         train_state.pt       step, data position, RNG states
-        COMPLETE             written last: every other file's size (JSON); a folder
+        COMPLETE             written last: the other files' sizes (JSON); a folder
                              without it is not a checkpoint
 
 Dist checkpoints are layout-free: any TP/PP/DP layout loads what any other saved. Every
-rank writes its share of the tensors (megatron's fully parallel save strategy over data
-parallel), so a save takes total/DP bytes per rank, not all of it on rank 0.
+data-parallel rank writes its share of the replicated tensors (megatron's fully parallel
+save strategy), instead of DP rank 0 writing them all (docs/checkpoints.md).
 A checkpoint is written into `iter_N.tmp/` and renamed into place only when complete, then
 `latest` is replaced atomically, so a crash mid-save never touches the last good one.
 A checkpoint damaged since (a missing or truncated file, `latest` naming nothing, another
@@ -100,6 +100,8 @@ def verify(ckpt: Path, recipe=None) -> None:
         if file.stat().st_size != size:
             raise UserError(f"{file}: {file.stat().st_size} bytes, {size} when saved "
                             "(truncated or overwritten)")
+    if not (ckpt / RECIPE).is_file():
+        raise UserError(f"{ckpt}: not a megatron-stem checkpoint (no {RECIPE})")
     try:
         saved = read_recipe(ckpt)
     except Exception as e:  # any parse or schema error: the file is not what we wrote
@@ -203,9 +205,10 @@ class Writer:
 
 
 def _file_sizes(folder: Path) -> dict[str, int]:
-    """{path relative to `folder`: size} of every file under it."""
+    """{path relative to `folder`: size} of every file under it but recipe.yaml, which is
+    checked by its content (`verify`) and may be edited by hand."""
     return {str(p.relative_to(folder)): p.stat().st_size
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != RECIPE}
 
 
 def _prune(save_dir: Path, keep_last: int) -> None:
