@@ -249,4 +249,5 @@ def check_same_shape(saved_recipe, recipe, ckpt: Path) -> None:
     diffs = [f"model.{k}: checkpoint {saved[k]!r}, recipe {wanted[k]!r}"
              for k in saved if saved[k] != wanted.get(k)]
     if diffs:
-        raise UserError(f"{ckpt / RECIPE}: checkpoint is of another model shape ({'; '.join(diffs)})")
+        raise UserError(f"{Path(ckpt) / RECIPE}: checkpoint is of another model shape "
+                        f"({'; '.join(diffs)})")

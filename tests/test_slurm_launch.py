@@ -13,6 +13,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from conftest import ROOT
 
 LAUNCH = ROOT / "slurm" / "launch.sh"
@@ -43,6 +45,7 @@ def _run_launch(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess
     return proc, args.read_text().splitlines() if args.exists() else []
 
 
+@pytest.mark.integration  # runs the script
 def test_without_overrides_the_command_line_ends_with_the_recipe_and_save_dir(tmp_path):
     proc, args = _run_launch(tmp_path, STEM_DATA="  ")
     assert proc.returncode == 0, proc.stderr
@@ -51,6 +54,7 @@ def test_without_overrides_the_command_line_ends_with_the_recipe_and_save_dir(tm
                     f"train.save_dir={tmp_path / 'runs' / 'stem' / 'checkpoints'}"]
 
 
+@pytest.mark.integration
 def test_the_rendezvous_port_is_per_job_and_outside_the_ephemeral_range(tmp_path):
     # (job 15000 got port 35000 before: inside the usual 32768-60999)
     proc, args = _run_launch(tmp_path, SLURM_JOB_ID="15000", STEM_OVERRIDES="train.steps=3")
