@@ -9,11 +9,13 @@ bf16 weights + fp32 master and two Adam moments for every parameter) per rank at
 parallel `--dp`, for three layouts of who writes what:
 
 * rank 0 writes all            the behaviour before the fully parallel save strategy;
-* parallel, replicated tables  today: each DP-replicated tensor is written by one rank,
-                               whole tensors balanced over DP (megatron's greedy
-                               distribution), so a 4.2 GB table state is one rank's;
-* parallel, sharded tables     the sharded table optimizer (each rank owns V/DP rows):
-                               about total/DP per rank.
+* parallel, replicated tables  `tables.partition: replicated`: each DP-replicated tensor
+                               is written by one rank, whole tensors balanced over DP
+                               (megatron's greedy distribution), so a 4.2 GB table state
+                               is one rank's;
+* parallel, sharded tables     `tables.partition: sharded` (the default): each rank
+                               writes the table state rows it owns (1/DP), the weights
+                               (tables included) and dense states balanced as above.
 
 A node's ranks write at once: the node time assumes they share this process's rate (a
 parallel filesystem usually gives a node more; scale by your storage's per-node rate).
@@ -72,9 +74,10 @@ def measure(size_mb: int, folder: Path) -> tuple[float, float]:
     return gb / save_s, gb / load_s
 
 
-def tensors_1b(recipe) -> tuple[list[int], list[int]]:
-    """Bytes of every saved tensor of the 1B model: (dense ones, table ones). Each
-    parameter has its weight (training dtype) and three fp32 optimizer states."""
+def tensors_1b(recipe) -> tuple[list[int], list[int], list[int]]:
+    """Bytes of every saved tensor of the 1B model: (dense weights and states, table
+    weights, table states). Each parameter has its weight (training dtype) and three fp32
+    optimizer states."""
     m = recipe.model
     d, ff, vocab, head = m.hidden_size, m.ffn_hidden_size, m.vocab_size, \
         m.hidden_size // m.num_attention_heads
@@ -87,7 +90,7 @@ def tensors_1b(recipe) -> tuple[list[int], list[int]]:
     weight = 2 if recipe.train.dtype == "bf16" else 4
     table_weight = 4 if recipe.tables.placement == "host" else weight
     return ([n * b for n in dense for b in (weight, 4, 4, 4)],
-            [n * b for n in tables for b in (table_weight, 4, 4, 4)])
+            [n * table_weight for n in tables], [n * 4 for n in tables for _ in range(3)])
 
 
 def rank_loads(sizes: list[int], ranks: int) -> list[int]:
@@ -115,7 +118,9 @@ def main():
         destroy_distributed()
     print(f"{args.size_mb} MB, one process: save {save_rate:.2f} GB/s, load {load_rate:.2f} "
           "GB/s (shared machine: noisy)")
-    dense, tables = tensors_1b(load_recipe(ROOT / "recipes" / "stem_1b.yaml"))
+    dense, table_weights, table_states = tensors_1b(
+        load_recipe(ROOT / "recipes" / "stem_1b.yaml"))
+    tables = table_weights + table_states
     total = sum(dense) + sum(tables)
     dp, node = args.dp, min(args.ranks_per_node, args.dp)
     print(f"1B checkpoint: {total / 1e9:.1f} GB (dense {sum(dense) / 1e9:.1f}, tables "
@@ -123,8 +128,8 @@ def main():
     print(f"{'layout':<30}{'GB/rank':>9}{'s/rank':>9}{'GB/node':>9}{'s/node':>9}  fits 300 s?")
     layouts = {"rank 0 writes all": [total] + [0] * (dp - 1),
                "parallel, replicated tables": rank_loads(dense + tables, dp),
-               "parallel, sharded tables": [load + sum(tables) // dp
-                                            for load in rank_loads(dense, dp)]}
+               "parallel, sharded tables": [load + sum(table_states) // dp for load
+                                            in rank_loads(dense + table_weights, dp)]}
     for name, loads in layouts.items():
         per_rank = max(loads)
         per_node = max(sum(loads[i:i + node]) for i in range(0, dp, node))
