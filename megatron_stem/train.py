@@ -60,6 +60,34 @@ class Preemption:
         return bool(flag.item())
 
 
+def _gpus_given(environ) -> str | None:
+    """`NAME=value` of the variable by which SLURM (or the user) gave this job GPUs."""
+    for name in ("SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES"):
+        value = environ.get(name, "").strip()
+        none = ("", "-1", "NoDevFiles") + (("0",) if name == "SLURM_GPUS_ON_NODE" else ())
+        if value not in none:
+            return f"{name}={value}"
+    return None
+
+
+def check_gpus_visible(environ=os.environ) -> None:
+    """Refuse to start when the job was given GPUs but torch sees none: a CPU-only torch
+    wheel on a GPU node would otherwise train on CPU with gloo, slowly and silently."""
+    given = _gpus_given(environ)
+    if given is None or torch.cuda.is_available():
+        return
+    if torch.version.cuda is None and torch.version.hip is None:
+        raise UserError(
+            f"{given}: this job has GPUs but torch {torch.__version__} is a CPU-only build "
+            "and sees none; install torch's CUDA build in this environment (pip install torch "
+            "--index-url https://download.pytorch.org/whl/cu126, the CUDA version your driver "
+            f"supports), or unset {given.split('=')[0]} to train on CPU on purpose")
+    raise UserError(
+        f"{given}: this job has GPUs but torch {torch.__version__} (CUDA "
+        f"{torch.version.cuda or torch.version.hip}) sees none: the GPU driver is missing or "
+        "too old for this build (check nvidia-smi on the node)")
+
+
 def _mean_over_dp(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device())
     dist.all_reduce(t, group=ps.get_data_parallel_group())
@@ -147,6 +175,7 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     "step": last step, "preempted": bool}. `on_step(step)` is called after every step
     (for tools and tests: profiling, fault injection)."""
     train, opt = recipe.train, recipe.optimizer
+    check_gpus_visible()
     if recipe.parallel.pipeline_parallel > 1:
         raise ConfigError("parallel.pipeline_parallel: training runs under the DeepSpeed "
                           "engine, which cannot pipeline a megatron model; use tensor "
@@ -165,7 +194,7 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     try:
         save_dir = Path(train.save_dir)
         rank0 = dist.get_rank() == 0
-        ckpt = checkpoint.latest(save_dir)
+        ckpt = checkpoint.agreed_resume_point(save_dir, recipe)
         init = checkpoint.resolve(train.init_from) if ckpt is None and train.init_from else None
         model = build_model(recipe.model, recipe.parallel, seed=train.seed,
                             tables=recipe.tables)

@@ -25,7 +25,8 @@
 #   STEM_VENV             virtualenv to activate (default: .venv of this checkout, if any)
 #   STEM_MODULES          environment modules to `module load` first, space-separated
 #   STEM_SETUP            a shell file to source for site settings (conda, NCCL_IB_*, ...)
-#   STEM_MASTER_PORT      rendezvous port on the first node (default: 20000 + job id % 20000)
+#   STEM_MASTER_PORT      rendezvous port on the first node (default: fixed per job id, below
+#                         the node's ephemeral port range; see "rendezvous port" below)
 #   STEM_SHUTDOWN_TIMEOUT seconds the ranks get to save after a stop signal (default: 600)
 # NCCL_* / TORCH_NCCL_* variables already set are kept (see "NCCL defaults" below).
 
@@ -98,7 +99,18 @@ fi
 # CPUs of the smallest node (SLURM_JOB_CPUS_PER_NODE looks like "64(x2),32").
 _stem_cpus=$(tr ',' '\n' <<<"${SLURM_JOB_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-1}}" | sed 's/(.*//' | sort -n | head -n1)
 _stem_master=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
-_stem_port=${STEM_MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+# The rendezvous port: the same for every restart of a job, and outside the kernel's
+# ephemeral range (any process's outgoing connection may hold a port there).
+read -r _stem_eph_lo _stem_eph_hi </proc/sys/net/ipv4/ip_local_port_range 2>/dev/null ||
+    { _stem_eph_lo=32768; _stem_eph_hi=60999; }
+if (( _stem_eph_lo - 20000 >= 1000 )); then
+    _stem_port=$(( 20000 + SLURM_JOB_ID % (_stem_eph_lo - 20000) ))
+elif (( 65535 - _stem_eph_hi >= 1000 )); then
+    _stem_port=$(( _stem_eph_hi + 1 + SLURM_JOB_ID % (65535 - _stem_eph_hi) ))
+else
+    _stem_port=$(( 10000 + SLURM_JOB_ID % 10000 ))
+fi
+_stem_port=${STEM_MASTER_PORT:-$_stem_port}
 
 # --- NCCL defaults (a site's own settings win) -----------------------------------------
 # A failed or hung collective aborts the process instead of hanging until the time limit.
@@ -110,6 +122,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( _stem_cpus / _stem_procs > 0 ? _st
 export PYTHONUNBUFFERED=1
 
 # --- folders and the training command --------------------------------------------------
+# Arrays that may be empty expand as ${a[@]+"${a[@]}"}: bash < 4.4 takes a bare "${a[@]}"
+# of an empty array for an unset variable under `set -u` and stops.
 _stem_recipe=${STEM_RECIPE:?set STEM_RECIPE to a recipe YAML}
 [[ -f $_stem_recipe || $_stem_recipe = /* ]] || _stem_recipe=$STEM_ROOT/$_stem_recipe
 [[ -f $_stem_recipe ]] || stem_die "STEM_RECIPE: $STEM_RECIPE not found (relative paths are from $PWD or $STEM_ROOT)"
@@ -121,15 +135,15 @@ _stem_stdout=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *StdO
 [[ -n $_stem_stdout ]] && ln -sfn "$_stem_stdout" "$_stem_job_dir/slurm.out"
 
 _stem_args=(--recipe "$_stem_recipe" "train.save_dir=$_stem_save_dir")
-if [[ -n ${STEM_DATA:-} ]]; then
+if [[ ${STEM_DATA:-} = *[![:space:]]* ]]; then
     read -r -a _stem_prefixes <<<"$STEM_DATA"
-    _stem_list=$(printf '"%s",' "${_stem_prefixes[@]}")
+    _stem_list=$(printf '"%s",' ${_stem_prefixes[@]+"${_stem_prefixes[@]}"})
     _stem_args+=("data.prefixes=[${_stem_list%,}]")
 fi
 [[ -n ${STEM_TOKENIZER:-} ]] && _stem_args+=("data.tokenizer_model=$STEM_TOKENIZER")
 [[ -n ${STEM_TOKENIZER_TYPE:-} ]] && _stem_args+=("data.tokenizer_type=$STEM_TOKENIZER_TYPE")
 read -r -a _stem_overrides <<<"${STEM_OVERRIDES:-}"
-_stem_args+=("${_stem_overrides[@]}")
+_stem_args+=(${_stem_overrides[@]+"${_stem_overrides[@]}"})
 
 # torchrun's options (slurm/torchrun.py is torchrun with a quiet, safe stop; see there).
 export STEM_SHUTDOWN_TIMEOUT=${STEM_SHUTDOWN_TIMEOUT:-600}

@@ -245,14 +245,16 @@ def test_host_tables_stay_on_the_host_through_moves_and_casts(world1):
 
 
 @pytest.mark.integration
-def test_shared_copy_and_row_owners_on_two_ranks(tmp_path):
+@pytest.mark.parametrize("kernel", ["torch", "deepspeed"])
+def test_shared_copy_and_row_owners_on_two_ranks(tmp_path, kernel):
     """Two data-parallel ranks: one host copy shared by both (each updates its own rows),
     and two copies (one per rank, synced by the cross-copy all-reduce), each with the
     optimizer state replicated or sharded over the ranks, and device tables with sharded
     state, give exactly the tables and Adam moments of device-resident tables with
-    replicated state, for both update semantics."""
+    replicated state, for both update semantics and both table kernels (each owner
+    updates other slices of the rows than a device rank)."""
     out = tmp_path / "result.json"
-    torchrun(2, "host_tables_worker.py", out)
+    torchrun(2, "host_tables_worker.py", out, kernel)
     result = json.loads(out.read_text())
     assert result["copy_sizes"] == {"shared": 2, "per_rank": 1, "shared_sharded": 2,
                                     "per_rank_sharded": 1}

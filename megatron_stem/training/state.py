@@ -24,7 +24,8 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
-from megatron_stem.training.table_optim import TableOptimizer
+from megatron_stem.checkpoint import parallel_save_strategy
+from megatron_stem.training.table_optim import TableOptimizer, replay_deepspeed_steps
 
 OPTIM = "optim"
 TRAIN_STATE = "train_state.pt"
@@ -105,13 +106,18 @@ def save_optimizers(model, zero_optimizer, tables: TableOptimizer, folder: Path)
 
     (folder / OPTIM).mkdir(exist_ok=True)
     dist_checkpointing.save(_optimizer_sharded_state(model, tables, states_of),
-                            str(folder / OPTIM))
+                            str(folder / OPTIM), sharded_strategy=parallel_save_strategy())
 
 
 def _create_dense_states(zero_optimizer, step: int) -> None:
     """Materialize the inner optimizer's (lazily created) per-partition Adam states, with
-    the resumed step count for bias correction, so `safe_set_full_*` has tensors to fill."""
+    the resumed step count for bias correction, so `safe_set_full_*` has tensors to fill.
+    DeepSpeed's CPU Adam (ZeRO-Offload) also gets its kernel's running beta powers back."""
     inner = zero_optimizer.optimizer
+    if type(inner).__name__ == "DeepSpeedCPUAdam":
+        group = inner.param_groups[0]
+        replay_deepspeed_steps(inner.ds_opt_adam, inner.opt_id, 0, step, group["betas"],
+                               group["eps"])
     for group in inner.param_groups:
         for p in group["params"]:
             state = inner.state[p]

@@ -54,7 +54,22 @@ DENSE_CHUNK_BYTES = 64 << 20  # `dense` updates this many bytes of fp32 rows at 
 
 class AdamKernel:
     """In-place AdamW on contiguous fp32 CPU tensors: DeepSpeed's `cpu_adam` op, or the
-    same arithmetic in torch where the op cannot be built (no compiler)."""
+    same arithmetic in torch where the op cannot be built (no compiler).
+
+    An element's new value must not depend on what else the call updates (a resumed run,
+    another placement or data-parallel layout slices the same rows differently). Two
+    things of the op do, and `update` works around both:
+    * it keeps beta1^t and beta2^t as running float32 products, multiplied once per step,
+      and recomputes them with `pow` (other bits at most steps) when a step is not the
+      previous one plus one: after a resume, or after a step in which this rank had no
+      rows to update. The steps the op has not seen are first replayed on empty tensors,
+      so its state is the one of an uninterrupted run; nothing is needed at load time.
+    * it updates whole SIMD vectors, then the last `numel % SIMD width` elements in scalar
+      code that rounds differently (exp_avg and exp_avg_sq differ by an ulp): those are
+      updated in a zero-padded vector instead, so every element goes through vector code.
+    """
+
+    VECTOR = 64  # elements: a multiple of every SIMD width the op is built for
 
     def __init__(self, kind: str, betas: tuple[float, float], eps: float):
         self.betas, self.eps = betas, eps
@@ -65,19 +80,51 @@ class AdamKernel:
             self.op = load_cpu_adam()
             self.id = next(_kernel_ids)
             self.op.create_adam(self.id, 0.0, betas[0], betas[1], eps, 0.0, True, False)
+        self.seen_step = 0  # the last step the op was called with
 
     def update(self, step: int, lr: float, weight_decay: float, param: torch.Tensor,
                grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        b1, b2 = self.betas
         if self.op is not None:
-            self.op.adam_update(self.id, step, lr, b1, b2, self.eps, weight_decay, True,
-                                param, grad, exp_avg, exp_avg_sq)
+            replay_deepspeed_steps(self.op, self.id, self.seen_step, step - 1, self.betas,
+                                   self.eps)
+            self.seen_step = step
+            flat = [t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq)]
+            body = param.numel() - param.numel() % self.VECTOR
+            self._op_update(step, lr, weight_decay, [t[:body] for t in flat])
+            if body < param.numel():
+                self._padded_update(step, lr, weight_decay, [t[body:] for t in flat])
             return
+        b1, b2 = self.betas
         param.mul_(1 - lr * weight_decay)
         exp_avg.lerp_(grad, 1 - b1)
         exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
         denom = (exp_avg_sq.sqrt() / math.sqrt(1 - b2 ** step)).add_(self.eps)
         param.addcdiv_(exp_avg, denom, value=-lr / (1 - b1 ** step))
+
+    def _op_update(self, step, lr, weight_decay, tensors: list[torch.Tensor]) -> None:
+        """tensors: param, grad, exp_avg, exp_avg_sq"""
+        b1, b2 = self.betas
+        self.op.adam_update(self.id, step, lr, b1, b2, self.eps, weight_decay, True, *tensors)
+
+    def _padded_update(self, step, lr, weight_decay, tail: list[torch.Tensor]) -> None:
+        """Update `tail` (fewer than VECTOR elements each) through the op's vector code."""
+        padded = torch.zeros(len(tail), self.VECTOR)  # zeros stay zeros (and finite)
+        padded[:, :tail[0].numel()] = torch.stack(tail)
+        self._op_update(step, lr, weight_decay, list(padded.unbind(0)))
+        for i in (0, 2, 3):  # the grad is only read
+            tail[i].copy_(padded[i, :tail[i].numel()])
+
+
+def replay_deepspeed_steps(op, opt_id: int, seen: int, upto: int,
+                           betas: tuple[float, float], eps: float) -> None:
+    """Advance DeepSpeed CPU Adam instance `opt_id` (op `op`), last called at step `seen`,
+    through steps seen+1..upto without touching any tensor, so that its running beta
+    powers are those of an instance that ran every step (see `AdamKernel`). For
+    DeepSpeed's own `DeepSpeedCPUAdam` too, which restarts at step 0 after a load."""
+    empty = torch.empty(0)
+    for step in range(seen + 1, upto + 1):
+        op.adam_update(opt_id, step, 0.0, betas[0], betas[1], eps, 0.0, True,
+                       empty, empty, empty, empty)
 
 
 @dataclass

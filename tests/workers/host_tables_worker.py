@@ -1,11 +1,12 @@
 """Host tables over two data-parallel ranks, against device-resident tables.
 
-    torchrun --nproc_per_node 2 host_tables_worker.py OUT.json
+    torchrun --nproc_per_node 2 host_tables_worker.py OUT.json KERNEL
 
 Each rank trains two tables on its own ids for a few steps (two micro-batches per step,
 clipping, a cache) with: device-resident tables (sparse grads, all-reduce), one host copy
 shared by both ranks (row owners), and one host copy per rank (the cross-copy path), each
-with the optimizer state replicated (per rank / per copy) and sharded over the two ranks.
+with the optimizer state replicated (per rank / per copy) and sharded over the two ranks,
+with the table kernel KERNEL (deepspeed or torch).
 """
 
 import glob
@@ -43,7 +44,8 @@ def full_states(opt: TableOptimizer, params) -> dict[str, torch.Tensor]:
     return states
 
 
-def train(update: str, placement: str, partition: str = "replicated", ranks_per_copy: int = 0):
+def train(kernel: str, update: str, placement: str, partition: str = "replicated",
+          ranks_per_copy: int = 0):
     init = torch.randn(2, VOCAB, WIDTH, generator=torch.Generator().manual_seed(7))
     store, copy, owners_ok = None, None, True
     if placement == "host":
@@ -58,7 +60,7 @@ def train(update: str, placement: str, partition: str = "replicated", ranks_per_
     else:
         params = [torch.nn.Parameter(init[i].clone()) for i in range(2)]
     opt = TableOptimizer([(f"t{i}", p) for i, p in enumerate(params)], update, 1.0, 0.1,
-                         (0.9, 0.95), kernel="torch", host=store, partition=partition)
+                         (0.9, 0.95), kernel=kernel, host=store, partition=partition)
     g = torch.Generator().manual_seed(100 + dist.get_rank())  # each rank its own ids
     norms = []
     for _ in range(STEPS):
@@ -93,9 +95,10 @@ def main():
     rank = dist.get_rank()
     result = {"max_diff": {}, "owners_disjoint": True}
     for update in ("lazy", "dense"):
-        reference, ref_norms, _, _ = train(update, "device")
+        reference, ref_norms, _, _ = train(sys.argv[2], update, "device")
         for name, (placement, partition, per_copy) in CASES.items():
-            states, norms, copy, owners_ok = train(update, placement, partition, per_copy)
+            states, norms, copy, owners_ok = train(sys.argv[2], update, placement, partition,
+                                                   per_copy)
             result["owners_disjoint"] &= owners_ok
             if copy is not None:
                 result.setdefault("copy_sizes", {})[name] = copy.size

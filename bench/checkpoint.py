@@ -1,0 +1,143 @@
+"""Checkpoint save and load rates on this machine, and what a 1B save takes from them.
+
+    python bench/checkpoint.py [--size-mb 1024] [--dir DIR] [--dp 32] [--ranks-per-node 8]
+
+Measures one process writing and reading a megatron dist checkpoint (torch_dist, the
+training's save strategy, fsync included; the page cache is dropped for the files before
+the load, so it reads from storage). Then predicts the 1B save (recipes/stem_1b.yaml,
+bf16 weights + fp32 master and two Adam moments for every parameter) per rank at data
+parallel `--dp`, for three layouts of who writes what:
+
+* rank 0 writes all            the behaviour before the fully parallel save strategy;
+* parallel, replicated tables  `tables.partition: replicated`: each DP-replicated tensor
+                               is written by one rank, whole tensors balanced over DP
+                               (megatron's greedy distribution), so a 4.2 GB table state
+                               is one rank's;
+* parallel, sharded tables     `tables.partition: sharded` (the default): each rank
+                               writes the table state rows it owns (1/DP), the weights
+                               (tables included) and dense states balanced as above.
+
+A node's ranks write at once: the node time assumes they share this process's rate (a
+parallel filesystem usually gives a node more; scale by your storage's per-node rate).
+SLURM's stop warning in slurm/*.sbatch is 300 s (`--signal=B:USR1@300`).
+"""
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
+
+from megatron_stem.checkpoint import parallel_save_strategy
+from megatron_stem.config import ParallelConfig, load_recipe
+from megatron_stem.parallel import destroy_distributed, init_distributed
+
+ROOT = Path(__file__).resolve().parent.parent
+WARNING_S = 300
+
+
+def _state(size_mb: int, parts: int = 8, fill: bool = True) -> dict:
+    numel = size_mb * 2**20 // 4 // parts
+    return {f"t{i}": ShardedTensor.from_rank_offsets(
+        f"t{i}", torch.randn(numel) if fill else torch.empty(numel), replica_id=0)
+        for i in range(parts)}
+
+
+def _drop_page_cache(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def measure(size_mb: int, folder: Path) -> tuple[float, float]:
+    """(save GB/s, load GB/s) of one process."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    state = _state(size_mb)
+    start = time.perf_counter()
+    dist_checkpointing.save(state, str(folder), sharded_strategy=parallel_save_strategy())
+    save_s = time.perf_counter() - start
+    _drop_page_cache(folder)
+    start = time.perf_counter()
+    loaded = dist_checkpointing.load(_state(size_mb, fill=False), str(folder))
+    load_s = time.perf_counter() - start
+    assert all(torch.equal(loaded[k], state[k].data) for k in state)
+    shutil.rmtree(folder)
+    gb = size_mb * 2**20 / 1e9
+    return gb / save_s, gb / load_s
+
+
+def tensors_1b(recipe) -> tuple[list[int], list[int], list[int]]:
+    """Bytes of every saved tensor of the 1B model: (dense weights and states, table
+    weights, table states). Each parameter has its weight (training dtype) and three fp32
+    optimizer states."""
+    m = recipe.model
+    d, ff, vocab, head = m.hidden_size, m.ffn_hidden_size, m.vocab_size, \
+        m.hidden_size // m.num_attention_heads
+    stem = set(m.stem_layer_indices)
+    dense = [vocab * d] * (2 if m.untie_embeddings else 1)
+    for layer in range(m.num_layers):
+        dense += [d * head * (m.num_attention_heads + 2 * m.kv_heads), d * d,
+                  ff * d * (1 if layer in stem else 2), ff * d]
+    tables = [vocab * ff] * len(stem)
+    weight = 2 if recipe.train.dtype == "bf16" else 4
+    table_weight = 4 if recipe.tables.placement == "host" else weight
+    return ([n * b for n in dense for b in (weight, 4, 4, 4)],
+            [n * table_weight for n in tables], [n * 4 for n in tables for _ in range(3)])
+
+
+def rank_loads(sizes: list[int], ranks: int) -> list[int]:
+    """Bytes per rank when whole tensors go, largest first, to the least loaded rank
+    (megatron's `distribute_shards_to_ranks`)."""
+    load = [0] * ranks
+    for size in sorted(sizes, reverse=True):
+        load[load.index(min(load))] += size
+    return load
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-mb", type=int, default=1024, help="checkpoint size to time")
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp folder "
+                    "in the current directory: put it on the storage checkpoints go to)")
+    ap.add_argument("--dp", type=int, default=32, help="data-parallel ranks (1B: 4 x 8)")
+    ap.add_argument("--ranks-per-node", type=int, default=8)
+    args = ap.parse_args()
+    init_distributed(ParallelConfig(), seed=0)
+    try:
+        folder = Path(args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_", dir="."))
+        save_rate, load_rate = measure(args.size_mb, folder / "ckpt")
+    finally:
+        destroy_distributed()
+    print(f"{args.size_mb} MB, one process: save {save_rate:.2f} GB/s, load {load_rate:.2f} "
+          "GB/s (shared machine: noisy)")
+    dense, table_weights, table_states = tensors_1b(
+        load_recipe(ROOT / "recipes" / "stem_1b.yaml"))
+    tables = table_weights + table_states
+    total = sum(dense) + sum(tables)
+    dp, node = args.dp, min(args.ranks_per_node, args.dp)
+    print(f"1B checkpoint: {total / 1e9:.1f} GB (dense {sum(dense) / 1e9:.1f}, tables "
+          f"{sum(tables) / 1e9:.1f}); DP {dp}, {node} ranks per node; at {save_rate:.2f} GB/s:")
+    print(f"{'layout':<30}{'GB/rank':>9}{'s/rank':>9}{'GB/node':>9}{'s/node':>9}  fits 300 s?")
+    layouts = {"rank 0 writes all": [total] + [0] * (dp - 1),
+               "parallel, replicated tables": rank_loads(dense + tables, dp),
+               "parallel, sharded tables": [load + sum(table_states) // dp for load
+                                            in rank_loads(dense + table_weights, dp)]}
+    for name, loads in layouts.items():
+        per_rank = max(loads)
+        per_node = max(sum(loads[i:i + node]) for i in range(0, dp, node))
+        seconds = per_node / 1e9 / save_rate
+        verdict = "yes, 2x margin" if seconds * 2 <= WARNING_S else \
+            "yes, under 2x margin" if seconds <= WARNING_S else "NO"
+        print(f"{name:<30}{per_rank / 1e9:>9.1f}{per_rank / 1e9 / save_rate:>9.0f}"
+              f"{per_node / 1e9:>9.1f}{seconds:>9.0f}  {verdict}")
+
+if __name__ == "__main__":
+    main()

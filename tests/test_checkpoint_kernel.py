@@ -1,0 +1,73 @@
+"""DeepSpeed's CPU Adam kernel gives an element the same bits whatever happened before
+the step and whatever else the call updates (training/table_optim.py, `AdamKernel`).
+
+The op keeps beta1^t and beta2^t as running float32 products and falls back to `pow`
+(other bits) when a step is not the previous one plus one: a kernel created at resume, or
+one that had no rows to update at some step, drifted by an ulp from an uninterrupted run.
+And it updates the elements past the last whole SIMD vector in scalar code that rounds
+the moments differently, so the same rows sliced differently (another placement or data
+parallel layout) drifted too.
+"""
+
+import torch
+
+from megatron_stem.training.table_optim import AdamKernel
+
+STEPS = 12
+
+
+def _kernel() -> AdamKernel:
+    return AdamKernel("deepspeed", (0.9, 0.95), 1e-8)
+
+
+def _grads(seed: int, n: int = 512) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g) for _ in range(STEPS)]
+
+
+def _state(n: int = 512) -> list[torch.Tensor]:
+    """param, exp_avg, exp_avg_sq"""
+    return [torch.randn(n, generator=torch.Generator().manual_seed(1)), torch.zeros(n),
+            torch.zeros(n)]
+
+
+def _update(kernel: AdamKernel, step: int, state: list[torch.Tensor], grad) -> None:
+    param, exp_avg, exp_avg_sq = state
+    kernel.update(step, 1e-3, 0.1, param, grad, exp_avg, exp_avg_sq)
+
+
+def test_a_kernel_created_at_resume_continues_bit_exactly():
+    grads, straight, resumed = _grads(2), _state(), _state()
+    one, before, after = _kernel(), _kernel(), _kernel()  # `after`: created at resume
+    for step in range(1, STEPS + 1):
+        _update(one, step, straight, grads[step - 1])
+        _update(before if step <= STEPS // 2 else after, step, resumed, grads[step - 1])
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+def test_a_step_without_rows_does_not_change_later_steps():
+    """A kernel with other work at every step, and one with nothing to do at step 5 (a
+    rank that owns none of the step's rows), give a tensor the same bits."""
+    grads, other_grads = _grads(3), _grads(4)
+    busy, idle = _kernel(), _kernel()
+    by_busy, by_idle, other = _state(), _state(), _state()
+    for step in range(1, STEPS + 1):
+        _update(busy, step, other, other_grads[step - 1])
+        if step != 5:
+            _update(busy, step, by_busy, grads[step - 1])
+            _update(idle, step, by_idle, grads[step - 1])
+    assert all(torch.equal(a, b) for a, b in zip(by_busy, by_idle))
+
+
+def test_an_element_gets_the_same_bits_however_the_tensor_is_sliced():
+    n = 1000
+    grads = _grads(5, n)
+    whole, kernel = _state(n), _kernel()
+    for step in range(1, STEPS + 1):
+        _update(kernel, step, whole, grads[step - 1])
+    for cut in (1, 7, 100, 999):  # a different part of the tensor in the op's scalar tail
+        sliced, kernel = _state(n), _kernel()
+        for step in range(1, STEPS + 1):
+            for part in (slice(0, cut), slice(cut, n)):
+                _update(kernel, step, [t[part] for t in sliced], grads[step - 1][part])
+        assert all(torch.equal(a, b) for a, b in zip(whole, sliced)), cut
