@@ -33,9 +33,6 @@ DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").g
 PYTHONS = {"python", "python3", ".venv/bin/python"}
 # SLURM's own clients: their flags are SLURM's business (the SLURM tests run them).
 SLURM_CLIENTS = {"scancel"}
-# Files the README's table of contents names before they exist (other branches add them).
-PENDING_DOCS = {"docs/checkpoints.md", "docs/tables.md"}
-
 
 def command_lines(doc: str) -> list[str]:
     """The commands of `doc`'s ```bash blocks, one per line (continuations joined)."""
@@ -318,6 +315,6 @@ def test_1b_sbatch_comments_name_the_recipes_paths():
 
 def test_readme_links_resolve_and_list_every_doc():
     links = set(re.findall(r"\]\(([^)#:]+)\)", (ROOT / "README.md").read_text()))
-    missing = {link for link in links if not (ROOT / link).exists()} - PENDING_DOCS
+    missing = {link for link in links if not (ROOT / link).exists()}
     assert not missing, f"README links to missing files: {missing}"
     assert set(DOCS[1:]) <= links, f"not in the README's table: {set(DOCS[1:]) - links}"
