@@ -71,6 +71,7 @@ def submit(cluster, out: Path, data: tuple[str, str], steps: int,
         "STEM_TOKENIZER": tokenizer,
         "STEM_OUTPUT": str(out / "runs"),
         "STEM_PROCS_PER_NODE": "1",
+        "STEM_ALLOW_CPU": "1",  # the nodes' GPUs are scheduling tokens: CPU on purpose
         "STEM_OVERRIDES": " ".join([
             f"train.steps={steps}", "train.micro_batch_size=4", "train.global_batch_size=8",
             "train.log_interval=1", "train.eval_interval=1000", "train.eval_iters=1",

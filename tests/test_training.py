@@ -351,12 +351,13 @@ def test_gpus_given_but_unseen_by_torch_is_one_error_line(monkeypatch, variable,
     monkeypatch.setattr(torch.version, "cuda", None)
     with pytest.raises(UserError, match=rf"^{variable}={value}: this job has GPUs but torch "
                                         r"\S+ is a CPU-only build and sees none; install "
-                                        r"torch's CUDA build .*unset " + variable):
+                                        r"torch's CUDA build .*STEM_ALLOW_CPU=1"):
         trainer.check_gpus_visible({variable: value})
     monkeypatch.setattr(torch.version, "cuda", "12.6")
     with pytest.raises(UserError, match=r"\(CUDA 12\.6\) sees none: the GPU driver is missing"):
         trainer.check_gpus_visible({variable: value})
     # No GPUs given: a CPU run is what was asked for.
     for environ in ({}, {"SLURM_GPUS_ON_NODE": "0"}, {"CUDA_VISIBLE_DEVICES": ""},
-                    {"CUDA_VISIBLE_DEVICES": "NoDevFiles"}):
+                    {"CUDA_VISIBLE_DEVICES": "NoDevFiles"},
+                    {variable: value, "STEM_ALLOW_CPU": "1"}):  # CPU on purpose
         trainer.check_gpus_visible(environ)
