@@ -59,11 +59,13 @@ class AdamKernel:
     An element's new value must not depend on what else the call updates (a resumed run,
     another placement or data-parallel layout slices the same rows differently). Two
     things of the op do, and `update` works around both:
-    * it keeps beta1^t and beta2^t as running float32 products, multiplied once per step,
-      and recomputes them with `pow` (other bits at most steps) when a step is not the
-      previous one plus one: after a resume, or after a step in which this rank had no
-      rows to update. The steps the op has not seen are first replayed on empty tensors,
-      so its state is the one of an uninterrupted run; nothing is needed at load time.
+    * it keeps beta1^t and beta2^t as running float32 products, multiplied once per call,
+      and recomputes them with `pow` (other bits at most steps) when a call's step is not
+      the previous call's plus one: after a resume, after a step in which this rank had
+      no rows to update, and on every call but the first of a step (one per table, chunk
+      or overlap phase). So each update is preceded by a call at step 0 on empty tensors:
+      the op then takes `pow` at every step (exactly beta at step 1), the same bits
+      whatever was called before; nothing is needed at load time.
     * it updates whole SIMD vectors, then the last `numel % SIMD width` elements in scalar
       code that rounds differently (exp_avg and exp_avg_sq differ by an ulp): those are
       updated in a zero-padded vector instead, so every element goes through vector code.
@@ -80,14 +82,10 @@ class AdamKernel:
             self.op = load_cpu_adam()
             self.id = next(_kernel_ids)
             self.op.create_adam(self.id, 0.0, betas[0], betas[1], eps, 0.0, True, False)
-        self.seen_step = 0  # the last step the op was called with
 
     def update(self, step: int, lr: float, weight_decay: float, param: torch.Tensor,
                grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         if self.op is not None:
-            replay_deepspeed_steps(self.op, self.id, self.seen_step, step - 1, self.betas,
-                                   self.eps)
-            self.seen_step = step
             flat = [t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq)]
             body = param.numel() - param.numel() % self.VECTOR
             self._op_update(step, lr, weight_decay, [t[:body] for t in flat])
@@ -102,8 +100,9 @@ class AdamKernel:
         param.addcdiv_(exp_avg, denom, value=-lr / (1 - b1 ** step))
 
     def _op_update(self, step, lr, weight_decay, tensors: list[torch.Tensor]) -> None:
-        """tensors: param, grad, exp_avg, exp_avg_sq"""
+        """tensors: param, grad, exp_avg, exp_avg_sq (after a step-0 call: see the class)"""
         b1, b2 = self.betas
+        replay_deepspeed_steps(self.op, self.id, -1, 0, self.betas, self.eps)
         self.op.adam_update(self.id, step, lr, b1, b2, self.eps, weight_decay, True, *tensors)
 
     def _padded_update(self, step, lr, weight_decay, tail: list[torch.Tensor]) -> None:
