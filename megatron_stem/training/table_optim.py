@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from megatron_stem import parallel
 from megatron_stem.training.table_overlap import Overlap
-from megatron_stem.training.table_shards import RowShards, TrafficCounters
+from megatron_stem.training.table_shards import RowShards, TrafficCounters, all_gather_padded
 
 _kernel_ids = itertools.count(10_000)  # DeepSpeed keys CPU Adam instances by integer id
 DENSE_CHUNK_BYTES = 64 << 20  # `dense` updates this many bytes of fp32 rows at a time
@@ -324,17 +324,9 @@ class TableOptimizer:
         world = self._dp_world()
         if world == 1:
             return rows
-        count = torch.tensor([rows.numel()], device=rows.device)
-        counts = [torch.empty_like(count) for _ in range(world)]
-        dist.all_gather(counts, count, group=self.dp_group)
-        longest = int(max(c.item() for c in counts))
-        padded = torch.full((longest,), -1, dtype=rows.dtype, device=rows.device)
-        padded[:rows.numel()] = rows
-        gathered = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(gathered, padded, group=self.dp_group)
-        self.counters.index_bytes += world * padded.numel() * 8
-        union = torch.unique(torch.cat(gathered))
-        return union[union >= 0]
+        (gathered,), longest = all_gather_padded([rows], self.dp_group, world)
+        self.counters.index_bytes += world * longest * 8
+        return torch.unique(torch.cat(gathered))
 
     def _average_over_dp(self, rows: torch.Tensor, values: torch.Tensor):
         world = self._dp_world()

@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 from megatron_stem.errors import ConfigError
 
+ID_BYTES = 8  # int64 row ids and counts
+
 
 @dataclass
 class TrafficCounters:
@@ -147,37 +149,40 @@ class RowShards:
         if len(peers) == 1:
             table.index_copy_(0, rows.to(device), values)
             return
-        count = torch.tensor([rows.numel()], device=device)
-        counts = [torch.empty_like(count) for _ in peers]
-        dist.all_gather(counts, count, group=group)
-        longest = max(int(c) for c in counts)
-        padded_ids = torch.zeros(longest, dtype=torch.long, device=device)
-        padded_ids[:rows.numel()] = rows
-        padded = torch.zeros(longest, table.shape[1], dtype=table.dtype, device=device)
-        padded[:rows.numel()] = values
-        all_ids = [torch.empty_like(padded_ids) for _ in peers]
-        all_values = [torch.empty_like(padded) for _ in peers]
-        dist.all_gather(all_ids, padded_ids, group=group)
-        dist.all_gather(all_values, padded, group=group)
-        counters.index_bytes += len(peers) * (count.element_size() + padded_ids.numel() * 8)
-        counters.gather_bytes += (len(peers) - 1) * padded.numel() * padded.element_size()
-        ids = torch.cat([i[:int(c)] for i, c in zip(all_ids, counts)])
-        table.index_copy_(0, ids, torch.cat([v[:int(c)] for v, c in zip(all_values, counts)]))
+        (ids, rows_in), longest = all_gather_padded([rows.to(device), values], group,
+                                                    len(peers))
+        counters.index_bytes += len(peers) * (ID_BYTES + longest * ID_BYTES)
+        counters.gather_bytes += (len(peers) - 1) * longest * table.shape[1] * \
+            values.element_size()
+        table.index_copy_(0, torch.cat(ids), torch.cat(rows_in))
 
     def all_rows(self, rows: torch.Tensor, counters: TrafficCounters) -> torch.Tensor:
         """The union of every rank's (disjoint, sorted) owned `rows`, sorted."""
         if self.size == 1:
             return rows
-        count = torch.tensor([rows.numel()], device=rows.device)
-        counts = [torch.empty_like(count) for _ in range(self.size)]
-        dist.all_gather(counts, count, group=self.group)
-        longest = max(int(c) for c in counts)
-        padded = torch.zeros(longest, dtype=torch.long, device=rows.device)
-        padded[:rows.numel()] = rows
-        gathered = [torch.empty_like(padded) for _ in range(self.size)]
-        dist.all_gather(gathered, padded, group=self.group)
-        counters.index_bytes += self.size * (count.element_size() + padded.numel() * 8)
-        return torch.cat([g[:int(c)] for g, c in zip(gathered, counts)])
+        (gathered,), longest = all_gather_padded([rows], self.group, self.size)
+        counters.index_bytes += self.size * (ID_BYTES + longest * ID_BYTES)
+        return torch.cat(gathered)
+
+
+def all_gather_padded(tensors: list[torch.Tensor], group, size: int):
+    """Every rank's `tensors` (of one first-dimension length per rank, which may differ
+    between ranks), all-gathered over `group` of `size` ranks, padded to the longest:
+    per tensor, the ranks' tensors in rank order, trimmed; and the longest length."""
+    length = tensors[0].shape[0]
+    count = torch.tensor([length], device=tensors[0].device)
+    counts = [torch.empty_like(count) for _ in range(size)]
+    dist.all_gather(counts, count, group=group)
+    counts = [int(c) for c in counts]
+    longest = max(counts)
+    out = []
+    for t in tensors:
+        padded = t.new_zeros((longest, *t.shape[1:]))
+        padded[:length] = t
+        gathered = [torch.empty_like(padded) for _ in range(size)]
+        dist.all_gather(gathered, padded, group=group)
+        out.append([g[:c] for g, c in zip(gathered, counts)])
+    return out, longest
 
 
 def _group_ranks(group, shard_group) -> list[int]:
