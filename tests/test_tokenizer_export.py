@@ -8,14 +8,14 @@ corpus and strings chosen to break conversions.
 
 import json
 import os
-import shutil
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import subprocess_env
+from conftest import ROOT, subprocess_env
 from megatron_stem.config import ModelConfig
 from megatron_stem.errors import UserError
 from megatron_stem.hf import sentencepiece_json, tokenizer_files
@@ -156,23 +156,37 @@ def test_tokenizer_json_export_is_the_tokenizer(kind, hf_tokenizer, llama3_style
     assert tok.decode(ids, skip_special_tokens=True) == raw.decode(ids) == "ab  c"
 
 
-LOAD = """
-import sys
+def documented_tokenizer_load() -> str:
+    """docs/export.md's snippet that loads (and round-trips a text with) an exported tokenizer."""
+    text = (ROOT / "docs/export.md").read_text()
+    (snippet,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S)
+                  if "Tokenizer" in b and "AutoModelForCausalLM" not in b]
+    assert '"hf/stem_1b"' in snippet
+    return snippet
+
+
+AUTO_WITH_FLAG = """
 from transformers import AutoTokenizer
-tok = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)
-print(repr(tok.decode(tok("alpha\\nbeta 42 é")["input_ids"])))
+tok = AutoTokenizer.from_pretrained(FOLDER, trust_remote_code=True)
+print(tok.decode(tok("alpha\\nbeta 42 é")["input_ids"]))
 """
 
 
 @pytest.mark.integration
-def test_auto_tokenizer_loads_silently_without_a_terminal(sp_model, tmp_path):
-    """No prompt, no made-up URL, no model-type warning: stdin closed, everything captured."""
-    folder = export_tokenizer(sp_model, tmp_path / "hf")
-    shutil.rmtree(tmp_path / "hf_home", ignore_errors=True)
+def test_exported_tokenizers_load_as_documented_silently_without_a_terminal(
+        sp_model, hf_tokenizer, tmp_path):
+    """docs/export.md's tokenizer snippet as written (no trust_remote_code), then AutoTokenizer
+    with the flag, on both kinds of export, stdin closed: no prompt (it would read EOF and
+    print), no made-up URL, no model-type warning, only the round-tripped text."""
+    script = []
+    for name, source in (("sp", sp_model), ("hf", Path(hf_tokenizer) / "tokenizer.json")):
+        folder = repr(str(export_tokenizer(source, tmp_path / name)))
+        script += [documented_tokenizer_load().replace('"hf/stem_1b"', folder),
+                   AUTO_WITH_FLAG.replace("FOLDER", folder)]
     proc = subprocess.run(
-        [sys.executable, "-c", LOAD, str(folder)], stdin=subprocess.DEVNULL,
+        [sys.executable, "-c", "\n".join(script)], stdin=subprocess.DEVNULL,
         capture_output=True, text=True, timeout=300,
         env=subprocess_env(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home")))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == repr("alpha\nbeta 42 é") + "\n"
+    assert proc.stdout == "alpha\nbeta 42 é\n" * 4
     assert proc.stderr == ""

@@ -2,8 +2,10 @@
 
 The HF tokenizer must encode exactly as training did, decode exactly as the source
 library does, add no special tokens training did not (training data gets none but an
-optional end-of-document token), and load with no remote code. So both kinds ship as a
-`tokenizer.json` for transformers' built-in fast tokenizer:
+optional end-of-document token), and load with no remote code
+(`PreTrainedTokenizerFast.from_pretrained(export)`; transformers 5's `AutoTokenizer` builds
+the model's config first, so it needs `trust_remote_code`: docs/export.md). So both kinds
+ship as a `tokenizer.json` for transformers' built-in fast tokenizer:
 
 - a Hugging Face `tokenizer.json` as it is, with its tokenizer_config.json;
 - a SentencePiece `.model` converted by `sentencepiece_json` (checked against sentencepiece
