@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_stem.config import ModelConfig, ParallelConfig, Recipe, TableOptimConfig, TrainConfig
+from megatron_stem.config import (ModelConfig, OptimizerConfig, ParallelConfig, Recipe,
+                                  TableOptimizerConfig, TableStorageConfig, TrainConfig)
 from megatron_stem.hf.remote.row_cache import RowCache
 from megatron_stem.model import build_model
 from megatron_stem.parallel import destroy_distributed, init_distributed
@@ -147,9 +148,9 @@ def bench_step(args, ids) -> None:
     def build(placement, lookahead, cache):
         recipe = Recipe(model=model, train=TrainConfig(
             micro_batch_size=args.micro_batch, global_batch_size=args.global_batch,
-            dtype=args.dtype), tables=TableOptimConfig(
-            update=args.update, placement=placement, cache_rows=cache,
-            gather_threads=args.gather_threads, kernel=args.kernel))
+            dtype=args.dtype), optimizer=OptimizerConfig(tables=TableOptimizerConfig(
+                update=args.update, kernel=args.kernel)), tables=TableStorageConfig(
+            placement=placement, cache_rows=cache, gather_threads=args.gather_threads))
         torch.manual_seed(0)
         net = build_model(recipe.model, recipe.parallel, tables=recipe.tables)
         engine, tables, norms = build_engine(net, recipe)

@@ -54,14 +54,17 @@ def _preset(name: str) -> tuple[dict, int, str]:
 
 def _recipe(variant: str, dp: int, microbatches: int, preset: str, kernel: str = "deepspeed"):
     """`variant`: "dense" (the baseline) or placement/update/partition[/overlap]."""
-    from megatron_stem.config import ModelConfig, Recipe, TableOptimConfig, TrainConfig, from_dict
+    from megatron_stem.config import (ModelConfig, OptimizerConfig, Recipe, TableOptimizerConfig,
+                                      TableStorageConfig, TrainConfig, from_dict)
 
     shape, micro, dtype = _preset(preset)
     fields = dict(zip(("placement", "update", "partition", "overlap"), variant.split("/"))) \
         if variant != "dense" else {}
-    tables = from_dict(TableOptimConfig, {**fields, "kernel": kernel})
+    update = fields.pop("update", "dense")
+    optimizer = OptimizerConfig(tables=TableOptimizerConfig(update=update, kernel=kernel))
     stem = "none" if variant == "dense" else "1/2"
-    return Recipe(model=ModelConfig(**shape, stem_layers=stem), tables=tables,
+    return Recipe(model=ModelConfig(**shape, stem_layers=stem), optimizer=optimizer,
+                  tables=from_dict(TableStorageConfig, fields),
                   train=TrainConfig(micro_batch_size=micro, dtype=dtype,
                                     global_batch_size=micro * microbatches * dp))
 

@@ -1,6 +1,6 @@
-"""Quality of the two table update semantics (`tables.update: lazy | dense`), side by side
-in one run: the same recipe, data, seed and steps, trained once per semantics (and once as
-the dense-FFN baseline), through the real trainer. Prints validation loss per evaluation.
+"""Quality of the two table update semantics (`optimizer.tables.update: lazy | dense`), side
+by side in one run: the same recipe, data, seed and steps, trained once per semantics (and
+once as the dense-FFN baseline), through the real trainer. Prints validation loss per evaluation.
 
     bash tools/quickstart.sh train.steps=1        # once: tokenizer and .bin/.idx data
     python bench/table_semantics.py [--steps 300] [override ...]
@@ -26,7 +26,8 @@ def main():
                     help="lazy, dense (table semantics) and baseline (no STEM layers)")
     ap.add_argument("overrides", nargs="*", help="recipe overrides, section.field=value")
     args = ap.parse_args()
-    variant_overrides = {"lazy": ["tables.update=lazy"], "dense": ["tables.update=dense"],
+    variant_overrides = {"lazy": ["optimizer.tables.update=lazy"],
+                         "dense": ["optimizer.tables.update=dense"],
                          "baseline": ["model.stem_layers=none"]}
     valid, seconds = {}, {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -76,7 +76,7 @@ def main():
                 micro_batch_size=args.micro_batch, global_batch_size=args.global_batch,
                 dtype=args.dtype))
             if update != "-":
-                recipe.tables.update = update
+                recipe.optimizer.tables.update = update
             results[placement, update] = tokens_per_s(recipe, args.steps)
             flops[placement, update] = 6 * account(model).active_params + \
                 12 * args.layers * args.hidden * args.seq

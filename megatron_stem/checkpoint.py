@@ -38,7 +38,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 
-from megatron_stem.config import Recipe, from_dict, to_dict
+from megatron_stem.config import Recipe, from_dict, to_dict, upgrade_saved_recipe
 from megatron_stem.errors import UserError
 
 LATEST = "latest"
@@ -164,7 +164,7 @@ def _step_of(folder: Path) -> int:
 
 
 def read_recipe(ckpt: Path, cls: type = Recipe):
-    return from_dict(cls, yaml.safe_load((ckpt / RECIPE).read_text()))
+    return from_dict(cls, upgrade_saved_recipe(yaml.safe_load((ckpt / RECIPE).read_text())))
 
 
 class Writer:

@@ -13,7 +13,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import yaml
 
@@ -30,7 +30,10 @@ def from_dict(cls: type, data: Any, where: str = ""):
     if not isinstance(data, dict):
         raise ConfigError(f"{label}: expected a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    moved = getattr(cls, "MOVED", {})
     for key in data:
+        if key in moved:
+            raise ConfigError(f"{where}{key}: moved to {moved[key]}")
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
@@ -262,8 +265,25 @@ class DataConfig:
 
 
 @dataclass
+class TableOptimizerConfig:
+    """The STEM tables' own optimizer (training/table_optim.py), `optimizer.tables`: AdamW
+    with the backbone's betas, eps and schedule, at `optimizer.lr x lr_mult`."""
+
+    update: Literal["dense", "lazy"] = "dense"
+    lr_mult: float = 1.0
+    weight_decay: float = 0.1
+    # "deepspeed": DeepSpeed's CPU Adam kernel (JIT-built once); "torch": same math in torch.
+    kernel: Literal["deepspeed", "torch"] = "deepspeed"
+    # Where the tables' fp32 master and Adam moments live and Adam runs: "cpu" (DeepSpeed's
+    # CPU Adam), or "accelerator" for tables whose sharded state fits beside the model
+    # (the 350M recipes): no copies of gradients or rows between CPU and accelerator.
+    device: Literal["cpu", "accelerator"] = "cpu"
+
+
+@dataclass
 class OptimizerConfig:
-    """AdamW for the dense (backbone) parameters, inside the DeepSpeed engine."""
+    """AdamW for the dense (backbone) parameters, inside the DeepSpeed engine; `tables`: the
+    STEM tables' own optimizer, outside it."""
 
     lr: float = 4e-4
     min_lr_ratio: float = 0.1  # cosine decays to lr x min_lr_ratio
@@ -275,19 +295,27 @@ class OptimizerConfig:
     clip_grad: float = 1.0  # global norm over backbone and tables together; 0 = off
     zero_stage: Literal[1, 2] = 1
     offload: bool = False  # ZeRO-Offload of the dense optimizer to CPU (DeepSpeed CPU Adam)
+    tables: TableOptimizerConfig = field(default_factory=TableOptimizerConfig)
 
 
 @dataclass
-class TableOptimConfig:
-    """The STEM tables' own optimizer (training/table_optim.py)."""
+class TableStorageConfig:
+    """Where the STEM tables and their optimizer state live, and when their update runs
+    (training/host_tables.py, table_shards.py, table_overlap.py), `tables`."""
 
-    update: Literal["dense", "lazy"] = "dense"
-    lr_mult: float = 1.0
-    weight_decay: float = 0.1
-    # "deepspeed": DeepSpeed's CPU Adam kernel (JIT-built once); "torch": same math in torch.
-    kernel: Literal["deepspeed", "torch"] = "deepspeed"
+    # The optimizer's settings, which this section held until they moved (recipes and
+    # checkpoints written before): a recipe naming one here is an error saying where it went.
+    MOVED: ClassVar[dict[str, str]] = {
+        "update": "optimizer.tables.update", "lr_mult": "optimizer.tables.lr_mult",
+        "weight_decay": "optimizer.tables.weight_decay", "kernel": "optimizer.tables.kernel",
+        "optimizer_device": "optimizer.tables.device"}
+
+    # Where the tables live (training/host_tables.py). "device": on the accelerator, one
+    # replica per rank. "host": in CPU memory, one copy per node shared by its ranks; each
+    # micro-batch's rows are gathered and copied to the accelerator one micro-batch ahead.
+    placement: Literal["device", "host"] = "device"
     # Who keeps and updates the tables' fp32 master and Adam moments (docs/tables.md).
-    # "sharded": each data-parallel rank 1/n of the rows (CPU state and CPU Adam work per
+    # "sharded": each data-parallel rank 1/n of the rows (optimizer state and Adam work per
     # rank = total / n; gradients go to the rows' owners, updated rows come back).
     # "replicated": every rank (device placement) or every node's copy (host) all of it.
     partition: Literal["sharded", "replicated"] = "sharded"
@@ -295,14 +323,6 @@ class TableOptimConfig:
     # that step reads first (same results, docs/tables.md); needs partition: sharded and
     # placement: device. "none": the update runs after the last backward.
     overlap: Literal["none", "next_step"] = "none"
-    # Where the tables' fp32 master and Adam moments live and Adam runs: "cpu" (DeepSpeed's
-    # CPU Adam), or "accelerator" for tables whose sharded state fits beside the model
-    # (the 350M recipes): no copies of gradients or rows between CPU and accelerator.
-    optimizer_device: Literal["cpu", "accelerator"] = "cpu"
-    # Where the tables live (training/host_tables.py). "device": on the accelerator, one
-    # replica per rank. "host": in CPU memory, one copy per node shared by its ranks; each
-    # micro-batch's rows are gathered and copied to the accelerator one micro-batch ahead.
-    placement: Literal["device", "host"] = "device"
     # host: rows per table kept on the accelerator for the most frequent ids (LFU with
     # aging); 0 = no cache.
     cache_rows: int = 0
@@ -318,21 +338,38 @@ class TableOptimConfig:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.gather_threads < 1:
             raise ConfigError(f"gather_threads: must be >= 1, got {self.gather_threads}")
-        if self.overlap == "next_step" and (self.partition, self.placement) != \
-                ("sharded", "device"):
+        if self.overlap == "next_step" and not self.sharded_on_device:
             raise ConfigError("overlap: next_step needs partition: sharded and placement: "
                               f"device (got partition: {self.partition}, placement: "
                               f"{self.placement})")
-        if self.optimizer_device == "accelerator" and (self.partition, self.placement) != \
-                ("sharded", "device"):
-            raise ConfigError("optimizer_device: accelerator needs partition: sharded and "
-                              f"placement: device (got partition: {self.partition}, "
-                              f"placement: {self.placement})")
         if self.placement == "device":
             for name in ("cache_rows", "ranks_per_copy"):
                 if getattr(self, name):
                     raise ConfigError(f"{name}: needs placement: host (device-resident "
                                       "tables have every row in place on every rank)")
+
+    @property
+    def sharded_on_device(self) -> bool:
+        return (self.partition, self.placement) == ("sharded", "device")
+
+
+def check_table_sections(optimizer: TableOptimizerConfig, storage: TableStorageConfig) -> None:
+    """The rule across `optimizer.tables` and `tables`: state on the accelerator is sharded."""
+    if optimizer.device == "accelerator" and not storage.sharded_on_device:
+        raise ConfigError("optimizer.tables.device: accelerator needs tables.partition: "
+                          f"sharded and tables.placement: device (got partition: "
+                          f"{storage.partition}, placement: {storage.placement})")
+
+
+def upgrade_saved_recipe(data: dict) -> dict:
+    """A recipe as a checkpoint saved it, with the table optimizer's settings moved from
+    `tables` to `optimizer.tables` if it was saved before they moved."""
+    tables = data.get("tables") or {}
+    for old, new in TableStorageConfig.MOVED.items():
+        if old in tables:
+            section, sub, leaf = new.split(".")
+            data.setdefault(section, {}).setdefault(sub, {})[leaf] = tables.pop(old)
+    return data
 
 
 @dataclass
@@ -372,14 +409,16 @@ class Recipe:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    tables: TableOptimConfig = field(default_factory=TableOptimConfig)
+    tables: TableStorageConfig = field(default_factory=TableStorageConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> None:
         self.parallel.check_model(self.model)
-        if self.tables.cache_rows > self.model.vocab_size:
-            raise ConfigError(f"tables.cache_rows: {self.tables.cache_rows} rows exceed "
+        tables = self.tables
+        if tables.cache_rows > self.model.vocab_size:
+            raise ConfigError(f"tables.cache_rows: {tables.cache_rows} rows exceed "
                               f"model.vocab_size={self.model.vocab_size}")
+        check_table_sections(self.optimizer.tables, tables)
 
 
 def _read_yaml(path: Path, chain: tuple = ()) -> dict:

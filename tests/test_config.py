@@ -101,3 +101,34 @@ def test_every_shipped_recipe_loads():
             "stem_350m_half.yaml", "stem_350m_full.yaml", "dense_350m.yaml"} <= set(names)
     for name in names:
         load_recipe(ROOT / "recipes" / name)
+
+
+def test_table_settings_that_moved_say_where_they_went(tmp_path):
+    """The table optimizer's settings left `tables` for `optimizer.tables`: an old recipe
+    (file or command line) is refused with the new name, never silently ignored."""
+    (tmp_path / "old.yaml").write_text("inherit: " + str(ROOT / "recipes" / "tiny_cpu.yaml")
+                                       + "\ntables:\n  update: lazy\n")
+    with pytest.raises(ConfigError) as e:
+        load_recipe(tmp_path / "old.yaml")
+    assert str(e.value) == f"{tmp_path / 'old.yaml'}: tables.update: moved to " \
+                           "optimizer.tables.update"
+    with pytest.raises(ConfigError) as e:
+        load_recipe(ROOT / "recipes" / "stem_1b.yaml", ["tables.optimizer_device=cpu"])
+    assert str(e.value) == "command line: tables.optimizer_device=cpu: moved to " \
+                           "optimizer.tables.device"
+
+
+def test_checkpoints_saved_before_the_split_read_in_the_new_shape(tmp_path):
+    import yaml
+
+    from megatron_stem import checkpoint
+    from megatron_stem.config import to_dict
+
+    recipe = load_recipe(ROOT / "recipes" / "stem_1b.yaml",
+                         ["optimizer.tables.kernel=torch", "optimizer.tables.lr_mult=2.0"])
+    saved = to_dict(recipe)  # as checkpoints wrote it then: one `tables` section
+    moved = saved["optimizer"].pop("tables")
+    moved["optimizer_device"] = moved.pop("device")
+    saved["tables"].update(moved)
+    (tmp_path / checkpoint.RECIPE).write_text(yaml.safe_dump(saved))
+    assert checkpoint.read_recipe(tmp_path) == recipe

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import torchrun
-from megatron_stem.config import ParallelConfig, Recipe, TableOptimConfig, from_dict
+from megatron_stem.config import ParallelConfig, Recipe, TableStorageConfig, from_dict
 from megatron_stem.errors import ConfigError
 from megatron_stem.hf.remote.row_cache import RowCache
 from megatron_stem.training import host_tables
@@ -40,12 +40,19 @@ def zipf_ids(generator, shape, vocab, offset=0):
     ({"placement": "gpu"}, r"tables\.placement: expected one of \['device', 'host'\]"),
     ({"placement": "host", "overlap": "next_step"},
      r"tables\.overlap: next_step needs partition: sharded and placement: device"),
-    ({"partition": "replicated", "optimizer_device": "accelerator"},
-     r"tables\.optimizer_device: accelerator needs partition: sharded"),
+    ({"partition": "replicated", "optimizer": {"device": "accelerator"}},
+     r"optimizer\.tables\.device: accelerator needs tables\.partition: sharded"),
+    ({"optimizer": {"kernel": "numpy"}}, r"optimizer\.tables\.kernel: expected one of"),
+    ({"update": "lazy"}, r"tables\.update: moved to optimizer\.tables\.update"),
+    ({"optimizer_device": "cpu"}, r"tables\.optimizer_device: moved to optimizer\.tables\.device"),
 ])
 def test_config_errors_name_the_field(tables, message):
+    """`tables` holds where the tables live; `optimizer.tables` how they are updated, where
+    the keys that moved out of `tables` went."""
+    tables = dict(tables)
+    optimizer = {"tables": tables.pop("optimizer")} if "optimizer" in tables else {}
     with pytest.raises(ConfigError, match=message):
-        from_dict(Recipe, {"model": TINY, "tables": tables})
+        from_dict(Recipe, {"model": TINY, "optimizer": optimizer, "tables": tables})
 
 
 def test_threaded_gather_equals_index_select():
@@ -207,7 +214,7 @@ def test_host_model_equals_device_model(world1, recompute):
     device_model = build_model(model_config, ParallelConfig())
     torch.manual_seed(0)
     host_model = build_model(model_config, ParallelConfig(recompute=recompute),
-                             tables=TableOptimConfig(placement="host"))
+                             tables=TableStorageConfig(placement="host"))
     host = [m for m in host_model.modules() if isinstance(m, StemTable)]
     dev = [m for m in device_model.modules() if isinstance(m, StemTable)]
     assert len(host) == 2 and all(torch.equal(h.weight, d.weight) for h, d in zip(host, dev))
@@ -237,7 +244,7 @@ def test_host_tables_stay_on_the_host_through_moves_and_casts(world1):
     from megatron_stem.model import build_model
     from megatron_stem.model.table import StemTable
     model = build_model(tiny_model("1/2"), ParallelConfig(),
-                        tables=TableOptimConfig(placement="host"))
+                        tables=TableStorageConfig(placement="host"))
     tables = [m.weight for m in model.modules() if isinstance(m, StemTable)]
     model.to(torch.bfloat16)
     assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tables)

@@ -75,7 +75,7 @@ def submit(cluster, out: Path, data: tuple[str, str], steps: int,
         "STEM_OVERRIDES": " ".join([
             f"train.steps={steps}", "train.micro_batch_size=4", "train.global_batch_size=8",
             "train.log_interval=1", "train.eval_interval=1000", "train.eval_iters=1",
-            "train.save_interval=1000", "train.dtype=fp32", "tables.kernel=torch",
+            "train.save_interval=1000", "train.dtype=fp32", "optimizer.tables.kernel=torch",
             "optimizer.warmup_steps=2", "data.split=90,10,0"]),
         "PYTHONWARNINGS": "ignore",
     }

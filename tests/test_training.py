@@ -50,7 +50,7 @@ def train(toy_data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(train):
-    return {update: train(1, f"tables.update={update}", name=f"ref_{update}")
+    return {update: train(1, f"optimizer.tables.update={update}", name=f"ref_{update}")
             for update in ("lazy", "dense")}
 
 
@@ -69,7 +69,7 @@ def test_reference_runs_learn(reference):
 
 @pytest.mark.parametrize("update, zero", [("lazy", 1), ("dense", 2)])
 def test_data_parallel_2_matches_1(train, reference, update, zero):
-    result = train(2, f"tables.update={update}", f"optimizer.zero_stage={zero}", name="dp2")
+    result = train(2, f"optimizer.tables.update={update}", f"optimizer.zero_stage={zero}", name="dp2")
     assert_same_curve(result["losses"], reference[update]["losses"])
 
 
@@ -113,7 +113,7 @@ def test_dp2_killed_and_resumed_is_bit_exact(train, tmp_path, kernel, update, of
     dense parameters (ZeRO-Offload): a DP2 run killed at step 5 and resumed continues the
     uninterrupted run bit for bit. (Step 6, the first one resumed, is one where the float32
     running product 0.95^6 differs from pow(0.95, 6).)"""
-    options = [f"tables.kernel={kernel}", f"tables.update={update}",
+    options = [f"optimizer.tables.kernel={kernel}", f"optimizer.tables.update={update}",
                f"optimizer.offload={offload}", "train.steps=8"]
     straight = train(2, *options, name="dp2_straight")
     first = train(2, *options, save_dir=tmp_path, preempt_at=5, name="dp2_preempted")
@@ -135,7 +135,7 @@ def test_dp2_killed_and_resumed_is_bit_exact(train, tmp_path, kernel, update, of
                    "optimizer rewrite is to fix it")
 @pytest.mark.parametrize("kernel, update", [("torch", "lazy"), ("deepspeed", "dense")])
 def test_host_tables_match_device_tables_bit_for_bit(train, kernel, update):
-    options = [f"tables.kernel={kernel}", f"tables.update={update}", "train.steps=8"]
+    options = [f"optimizer.tables.kernel={kernel}", f"optimizer.tables.update={update}", "train.steps=8"]
     device = train(2, *options, name="placement_device")
     host = train(2, *options, "tables.placement=host", name="placement_host")
     assert host["losses"] == device["losses"]
@@ -207,7 +207,7 @@ def tensorboard_scalars(folder) -> dict[str, dict[int, float]]:
 
 
 def test_host_tables_dense_update_matches_device(train, reference):
-    result = train(1, "tables.update=dense", "tables.placement=host", "tables.cache_rows=32",
+    result = train(1, "optimizer.tables.update=dense", "tables.placement=host", "tables.cache_rows=32",
                    "optimizer.zero_stage=2", name="host_dense")
     assert_same_curve(result["losses"], reference["dense"]["losses"])
 
@@ -272,7 +272,7 @@ def test_sharded_state_at_dp4_across_a_resume_matches_the_replicated_reference(
     30-step loss curve of one rank keeping the whole state (the replicated path, itself
     tested against torch's AdamW and a row-wise Adam) to 1e-6; each rank holds and updates
     a quarter of it (the trainer's `tables/*` counters)."""
-    options = [f"tables.update={update}", "train.steps=30", "train.eval_interval=30"]
+    options = [f"optimizer.tables.update={update}", "train.steps=30", "train.eval_interval=30"]
     reference = train(1, *options, "tables.partition=replicated", name="replicated30")
     sharded = [f"tables.placement={placement}", "tables.partition=sharded", *extra, *options]
     first = train(4, *sharded, save_dir=tmp_path, preempt_at=15, name="sharded_first")
@@ -295,8 +295,8 @@ def test_update_overlapped_with_the_next_step_gives_the_same_curve(train, update
     """`tables.overlap: next_step` updates the rows the next step reads first and the rest
     while it runs: the same arithmetic, so the loss curve of the serial update, bit for
     bit, with the state sharded over two ranks."""
-    serial = train(2, f"tables.update={update}", name="serial")
-    overlapped = train(2, f"tables.update={update}", "tables.overlap=next_step",
+    serial = train(2, f"optimizer.tables.update={update}", name="serial")
+    overlapped = train(2, f"optimizer.tables.update={update}", "tables.overlap=next_step",
                        name="overlapped")
     assert overlapped["losses"] == serial["losses"]
     assert overlapped["valid"] == serial["valid"]
@@ -309,7 +309,7 @@ def test_update_overlapped_with_the_next_step_gives_the_same_curve(train, update
 
 # Two STEM tables of 16,384 x 1,536 fp32 (100 MB each): with the state sharded over two
 # ranks, 200 MB of Adam moments per rank next to 200 MB of tables.
-BIG_TABLES = ["model.vocab_size=16384", "model.ffn_hidden_size=1536", "tables.update=dense"]
+BIG_TABLES = ["model.vocab_size=16384", "model.ffn_hidden_size=1536", "optimizer.tables.update=dense"]
 
 
 def _peaks(folder, ranks=2) -> list[list[int]]:
@@ -331,9 +331,9 @@ def test_resume_and_save_peak_memory_stay_within_15_percent(train, tmp_path, pla
 
 
 def test_optimizer_state_on_the_accelerator_gives_the_same_curve(train, reference):
-    """`tables.optimizer_device: accelerator` (torch's Adam arithmetic where the model
+    """`optimizer.tables.device: accelerator` (torch's Adam arithmetic where the model
     is: here the CPU again) follows the CPU optimizer's curve at DP2."""
-    result = train(2, "tables.update=dense", "tables.optimizer_device=accelerator",
+    result = train(2, "optimizer.tables.update=dense", "optimizer.tables.device=accelerator",
                    name="accelerator_state")
     assert_same_curve(result["losses"], reference["dense"]["losses"])
 

@@ -12,7 +12,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_stem import cpu_compat
-from megatron_stem.config import ModelConfig, ParallelConfig, TableOptimConfig
+from megatron_stem.config import ModelConfig, ParallelConfig, TableStorageConfig
 from megatron_stem.model.host_copy import HostCopy
 from megatron_stem.model.spec import block_spec
 from megatron_stem.model.table import StemTable
@@ -91,7 +91,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig,
 
 def build_model(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234,
                 params_dtype: torch.dtype = torch.float32,
-                tables: Optional[TableOptimConfig] = None) -> StemGPTModel:
+                tables: Optional[TableStorageConfig] = None) -> StemGPTModel:
     """This rank's part of the model (its TP shard of its pipeline stage). With
     `tables.placement: host` the STEM tables go to host memory shared per node."""
     config = transformer_config(model, parallel, params_dtype)

@@ -28,7 +28,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from megatron_stem.accounting import account, training_flops_per_token
-from megatron_stem.config import Recipe, TableOptimConfig, from_dict
+from megatron_stem.config import (Recipe, TableOptimizerConfig, TableStorageConfig,
+                                  check_table_sections, from_dict)
 from megatron_stem.errors import ConfigError, UserError
 from megatron_stem.planning import rows as row_model
 from megatron_stem.planning import traffic
@@ -76,10 +77,11 @@ class Option:
     def implemented(self) -> bool:
         """Whether the config (and so the trainer) accepts this combination."""
         try:
-            from_dict(TableOptimConfig, {
-                "placement": self.placement, "update": self.update,
-                "partition": self.partition, "overlap": self.overlap,
-                "optimizer_device": self.optimizer})
+            check_table_sections(
+                from_dict(TableOptimizerConfig, {"update": self.update, "device": self.optimizer}),
+                from_dict(TableStorageConfig, {"placement": self.placement,
+                                               "partition": self.partition,
+                                               "overlap": self.overlap}))
         except ConfigError:
             return False
         return True
@@ -118,8 +120,8 @@ def all_options() -> list[Option]:
 
 def configured_option(recipe: Recipe) -> Option:
     """The option a recipe trains with."""
-    t = recipe.tables
-    return Option(t.placement, t.update, t.partition, t.overlap, t.optimizer_device)
+    t, opt = recipe.tables, recipe.optimizer.tables
+    return Option(t.placement, opt.update, t.partition, t.overlap, opt.device)
 
 
 # -- the workload -------------------------------------------------------------------------
@@ -201,7 +203,7 @@ def workload(recipe: Recipe, cluster: Cluster, exponent: float = row_model.ZIPF_
         num_layers=m.num_layers, stem_layers=tuple(stem),
         backbone_params=account(m).active_params // tp, activation_bytes=activations,
         dtype_bytes=2 if t.dtype == "bf16" else 4, zero_stage=recipe.optimizer.zero_stage,
-        kernel=recipe.tables.kernel, shape=shape, rows=counts)
+        kernel=recipe.optimizer.tables.kernel, shape=shape, rows=counts)
 
 
 def expected_rows(vocab: int, dp: int, microbatches: int, per_microbatch: int,

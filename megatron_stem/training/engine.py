@@ -171,8 +171,8 @@ def build_engine(model: torch.nn.Module, recipe: Recipe):
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     decay, no_decay, tables = split_parameters(model)
-    tab = recipe.tables
-    if tab.optimizer_device == "cpu":
+    tab, tab_opt = recipe.tables, recipe.optimizer.tables
+    if tab_opt.device == "cpu":
         check_table_memory(tables, tab.placement,
                            ps.get_data_parallel_world_size() if tab.partition == "sharded" else 1)
     host_tables = []
@@ -195,11 +195,12 @@ def build_engine(model: torch.nn.Module, recipe: Recipe):
             host_tables, device(), torch.bfloat16 if recipe.train.dtype == "bf16" else
             torch.float32, cache_rows=tab.cache_rows, gather_threads=tab.gather_threads)
     table_optimizer = TableOptimizer(
-        tables, update=tab.update, lr_mult=tab.lr_mult, weight_decay=tab.weight_decay,
-        betas=(opt.beta1, opt.beta2), eps=opt.eps, kernel=tab.kernel,
+        tables, update=tab_opt.update, lr_mult=tab_opt.lr_mult,
+        weight_decay=tab_opt.weight_decay, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+        kernel=tab_opt.kernel,
         dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
         host=host, partition=tab.partition, overlap=tab.overlap,
-        state_device=str(device()) if tab.optimizer_device == "accelerator" else "cpu")
+        state_device=str(device()) if tab_opt.device == "accelerator" else "cpu")
     norms = GradNorms()
     _include_tables_in_grad_norm(optimizer, table_optimizer, norms)
     return engine, table_optimizer, norms

@@ -53,8 +53,8 @@ def main():
     args = ap.parse_args()
     data = {"model": {**TINY, "stem_layers": "1/2"},
             "data": {"prefixes": [args.data], "split": "90,10,0"},
-            "optimizer": {"lr": 3e-3, "warmup_steps": 2, "clip_grad": 1.0},
-            "tables": {"kernel": "torch", "update": "lazy"},  # tests override to dense
+            "optimizer": {"lr": 3e-3, "warmup_steps": 2, "clip_grad": 1.0,
+                          "tables": {"kernel": "torch", "update": "lazy"}},  # tests: dense too
             "train": {"micro_batch_size": 2, "global_batch_size": 8, "steps": 6,
                       "dtype": "fp32", "log_interval": 1, "eval_interval": 3,
                       "eval_iters": 2, "save_interval": 100}}
