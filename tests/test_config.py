@@ -99,8 +99,13 @@ def test_every_shipped_recipe_loads():
     names = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
     assert {"stem_1b.yaml", "dense_1b.yaml", "tiny_cpu.yaml", "stem_350m_third.yaml",
             "stem_350m_half.yaml", "stem_350m_full.yaml", "dense_350m.yaml"} <= set(names)
+    tokenizer_of = {}  # token files -> the tokenizer that made them
     for name in names:
-        load_recipe(ROOT / "recipes" / name)
+        recipe = load_recipe(ROOT / "recipes" / name)
+        for prefix in recipe.data.prefixes:
+            made_by = tokenizer_of.setdefault(prefix, recipe.data.tokenizer_model)
+            assert made_by == recipe.data.tokenizer_model, \
+                f"{name}: reads {prefix}, ids of {made_by}, with {recipe.data.tokenizer_model}"
 
 
 def test_table_settings_that_moved_say_where_they_went(tmp_path):

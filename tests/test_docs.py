@@ -305,12 +305,18 @@ def test_readme_setup_commands_are_the_ones_ci_and_the_quickstart_test_run():
     assert '"quickstart.sh"' in (ROOT / "tests" / "test_quickstart.py").read_text()
 
 
-def test_1b_sbatch_comments_name_the_recipes_paths():
-    for model in ("stem_1b", "dense_1b"):
-        recipe = load_recipe(ROOT / "recipes" / f"{model}.yaml")
-        comments = (ROOT / "slurm" / f"{model}.sbatch").read_text()
+def test_sbatch_comments_name_the_recipes_paths():
+    scripts = {}
+    for script in sorted((ROOT / "slurm").glob("*.sbatch")):
+        default = re.search(r"STEM_RECIPE=\$\{STEM_RECIPE:-(\S+)\}", script.read_text())
+        if default:
+            scripts[script.name] = default[1]
+    assert {"stem_1b.sbatch", "dense_1b.sbatch", "stem_350m.sbatch"} <= scripts.keys()
+    for name, recipe_file in scripts.items():
+        recipe = load_recipe(ROOT / recipe_file)
+        comments = (ROOT / "slurm" / name).read_text()
         for path in (*recipe.data.prefixes, recipe.data.tokenizer_model):
-            assert path in comments, f"slurm/{model}.sbatch: say where {path} comes from"
+            assert path in comments, f"slurm/{name}: say where {path} comes from"
 
 
 def test_readme_links_resolve_and_list_every_doc():
