@@ -137,3 +137,18 @@ def test_checkpoints_saved_before_the_split_read_in_the_new_shape(tmp_path):
     saved["tables"].update(moved)
     (tmp_path / checkpoint.RECIPE).write_text(yaml.safe_dump(saved))
     assert checkpoint.read_recipe(tmp_path) == recipe
+
+
+def test_the_table_sections_docs_show_are_the_defaults():
+    """docs/training.md's YAML of the two table sections loads, and says the defaults."""
+    import re
+
+    import yaml
+
+    from megatron_stem.config import TableOptimizerConfig, TableStorageConfig
+
+    text = (ROOT / "docs" / "training.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "tables:" in b]
+    shown = yaml.safe_load(block)
+    assert from_dict(TableOptimizerConfig, shown["optimizer"]["tables"]) == TableOptimizerConfig()
+    assert from_dict(TableStorageConfig, shown["tables"]) == TableStorageConfig()
