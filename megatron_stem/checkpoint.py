@@ -15,9 +15,9 @@ data-parallel rank writes its share of the replicated tensors (megatron's fully 
 save strategy), instead of DP rank 0 writing them all (docs/checkpoints.md).
 A checkpoint is written into `iter_N.tmp/` and renamed into place only when complete, then
 `latest` is replaced atomically, so a crash mid-save never touches the last good one.
-A checkpoint damaged since (a missing or truncated file, `latest` naming nothing, another
-model's recipe) is refused in one line naming the file, and a resume falls back to the
-newest complete one (`resume_point`).
+A checkpoint damaged since (a missing or truncated file, another model's recipe) is
+refused in one line naming the file (`verify`). Which checkpoint a run resumes from, and
+which it keeps, is the trainer's policy: `training/checkpointing.py`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Callable
-
 import torch.distributed as dist
 import yaml
 from megatron.core import dist_checkpointing
@@ -110,55 +108,12 @@ def verify(ckpt: Path, recipe=None) -> None:
         check_same_shape(saved, recipe, ckpt)
 
 
-def resume_point(save_dir: str | Path, recipe, say: Callable[[str], None] = print
-                 ) -> Path | None:
-    """The checkpoint a run in `save_dir` resumes from: the one `latest` names, or, when
-    that one is damaged or missing, the newest whole one older than it (each refusal and
-    the fallback are `say`-ed in one line). None for a save dir without checkpoints."""
-    save_dir = Path(save_dir)
-    pointer = save_dir / LATEST
-    folders = sorted(_iter_folders(save_dir), key=_step_of, reverse=True)
-    named = pointer.read_text().strip() if pointer.is_file() else None
-    if named is not None and (save_dir / named).is_dir():
-        older = [p for p in folders if _step_of(p) < _step_of(save_dir / named)]
-        folders = [save_dir / named] + older
-    elif named is not None:
-        say(f"warning: {pointer}: names {named}, which does not exist")
-    elif not folders:
-        return None
-    for ckpt in folders:
-        try:
-            verify(ckpt, recipe)
-        except UserError as e:
-            say(f"warning: refusing checkpoint {ckpt.name}: {e}")
-            continue
-        if ckpt.name != named:
-            say(f"warning: falling back to {ckpt}, the newest whole checkpoint")
-        return ckpt
-    raise UserError(f"{save_dir}: no whole checkpoint to resume from (see the lines above); "
-                    "move the folder away, or set another train.save_dir, to start afresh")
-
-
-def agreed_resume_point(save_dir: str | Path, recipe) -> Path | None:
-    """`resume_point` as rank 0 finds it (and says it), the same for every rank."""
-    found = [None, None]  # checkpoint, or the error that there is none to resume from
-    if _is_writer():
-        try:
-            found[0] = resume_point(save_dir, recipe, say=lambda line: print(line, flush=True))
-        except UserError as e:
-            found[1] = str(e)
-    if dist.is_initialized():
-        dist.broadcast_object_list(found, src=0)
-    if found[1] is not None:
-        raise UserError(found[1])
-    return found[0]
-
-
-def _iter_folders(save_dir: Path) -> list[Path]:
+def iter_folders(save_dir: Path) -> list[Path]:
+    """The iter_N folders under `save_dir` (whole or not), in no order."""
     return [p for p in save_dir.iterdir() if _ITER.match(p.name)] if save_dir.is_dir() else []
 
 
-def _step_of(folder: Path) -> int:
+def step_of(folder: Path) -> int:
     match = _ITER.match(folder.name)
     return int(match[1]) if match else -1
 
@@ -171,12 +126,11 @@ class Writer:
     """Collectively write one checkpoint: `with Writer(save_dir, step, recipe) as folder:`
     every rank saves its parts under `folder`; on a clean exit it is committed."""
 
-    def __init__(self, save_dir: str | Path, step: int, recipe, keep_last: int = 0):
+    def __init__(self, save_dir: str | Path, step: int, recipe):
         self.save_dir = Path(save_dir)
         self.final = self.save_dir / iter_name(step)
         self.tmp = self.save_dir / (iter_name(step) + ".tmp")
         self.recipe = recipe
-        self.keep_last = keep_last
 
     def __enter__(self) -> Path:
         if _is_writer():
@@ -199,7 +153,6 @@ class Writer:
             pointer = self.save_dir / (LATEST + ".tmp")
             pointer.write_text(self.final.name + "\n")
             os.replace(pointer, self.save_dir / LATEST)
-            _prune(self.save_dir, self.keep_last)
         _barrier()
         return False
 
@@ -209,14 +162,6 @@ def _file_sizes(folder: Path) -> dict[str, int]:
     checked by its content (`verify`) and may be edited by hand."""
     return {str(p.relative_to(folder)): p.stat().st_size
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != RECIPE}
-
-
-def _prune(save_dir: Path, keep_last: int) -> None:
-    if keep_last <= 0:
-        return
-    done = sorted((p for p in _iter_folders(save_dir) if (p / COMPLETE).exists()), key=_step_of)
-    for old in done[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def save_model(model, folder: Path) -> None:

@@ -15,30 +15,22 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_stem import checkpoint, quiet
+from megatron_stem import quiet
 from megatron_stem.accounting import account, training_flops_per_token
 from megatron_stem.config import Recipe, load_recipe
 from megatron_stem.errors import ConfigError, UserError, cli
 from megatron_stem.model import build_model
 from megatron_stem.parallel import destroy_distributed, device, init_distributed
+from megatron_stem.training.checkpointing import Checkpointer, finished_step
 from megatron_stem.training.data import StepBatches, build_datasets, check_prefixes
 from megatron_stem.training.engine import build_engine, clip_coefficient
 from megatron_stem.training.lr import lr_at
 from megatron_stem.training.metrics import Metrics, memory_gb
-from megatron_stem.training.state import (
-    OPTIM,
-    TRAIN_STATE,
-    load_optimizers,
-    load_train_state,
-    save_optimizers,
-    save_train_state,
-)
 
 EXIT_REQUEUE = 99  # stopped by a signal after saving: the job should be requeued
 
@@ -141,37 +133,6 @@ def _load_tokenizer(recipe: Recipe):
     return tokenizer
 
 
-def _check_resumable(ckpt: Path) -> None:
-    if not (ckpt / OPTIM).is_dir() or not (ckpt / TRAIN_STATE).is_file():
-        raise UserError(f"{ckpt}: holds model weights only (an import or an export source), "
-                        "not a run to resume: start a new run from it with "
-                        f"train.init_from={ckpt} and another train.save_dir")
-
-
-def _save(save_dir, step, recipe, model, engine, tables) -> None:
-    tables.finish()  # an overlapped update: the model's tables complete
-    with checkpoint.Writer(save_dir, step, recipe, recipe.train.keep_last) as folder:
-        checkpoint.save_model(model, folder)
-        save_optimizers(model, engine.optimizer, tables, folder)
-        if dist.get_rank() == 0:
-            save_train_state(folder, step, {"consumed_samples":
-                                            step * recipe.train.global_batch_size})
-
-
-def _finished_step(recipe: Recipe) -> Optional[int]:
-    """The step of a run already trained to `train.steps` (said on rank 0), else None."""
-    ckpt = checkpoint.latest(recipe.train.save_dir)
-    if ckpt is None or not (ckpt / TRAIN_STATE).is_file():
-        return None
-    step = load_train_state(ckpt)["step"]
-    if step < recipe.train.steps:
-        return None
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"nothing left to train: {ckpt} is at step {step} of train.steps="
-              f"{recipe.train.steps} (raise train.steps to train on)", flush=True)
-    return step
-
-
 def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     """Train per `recipe`; returns {"losses": [per step run here], "valid": [...],
     "step": last step, "preempted": bool}. `on_step(step)` is called after every step
@@ -182,7 +143,7 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
         raise ConfigError("parallel.pipeline_parallel: training runs under the DeepSpeed "
                           "engine, which cannot pipeline a megatron model; use tensor "
                           "parallelism (checkpoints saved this way load at any PP)")
-    finished = _finished_step(recipe)
+    finished = finished_step(recipe)
     if finished is not None:
         return {"losses": [], "valid": [], "step": finished, "preempted": False}
     check_prefixes(recipe.data.prefixes)
@@ -196,21 +157,12 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     try:
         save_dir = Path(train.save_dir)
         rank0 = dist.get_rank() == 0
-        ckpt = checkpoint.agreed_resume_point(save_dir, recipe)
-        init = checkpoint.resolve(train.init_from) if ckpt is None and train.init_from else None
+        checkpointer = Checkpointer(recipe)  # where the run starts; says any fallback
         model = build_model(recipe.model, recipe.parallel, seed=train.seed,
                             tables=recipe.tables)
-        step = 0
-        if ckpt is not None:
-            _check_resumable(ckpt)
-        for source in filter(None, (ckpt, init)):
-            checkpoint.check_same_shape(checkpoint.read_recipe(source), recipe, source)
-            checkpoint.load_model(model, source)
-        if ckpt is not None:
-            step = load_train_state(ckpt)["step"]
+        checkpointer.load_weights(model)  # before the engine copies them
         engine, tables, norms = build_engine(model, recipe)
-        if ckpt is not None:
-            load_optimizers(model, engine.optimizer, tables, ckpt, step)
+        step = checkpointer.resume(model, engine, tables)  # and saves these from now on
 
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         per_eval = train.eval_iters * train.micro_batch_size * dp
@@ -225,10 +177,9 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
         # checkpoint go, the checkpoint step's own stay (TensorBoard drops step >= purge_step).
         metrics = Metrics(str(save_dir / "tensorboard"), enabled=rank0, purge_step=step + 1)
         if rank0:
-            origin = (f"resuming from {ckpt}" if ckpt else
-                      f"initialized from {init}" if init else "from scratch")
             print(f"model: {account(recipe.model).summary()} | world {dist.get_world_size()}"
-                  f" = TP {recipe.parallel.tensor_parallel} x DP {dp} | {origin}", flush=True)
+                  f" = TP {recipe.parallel.tensor_parallel} x DP {dp} | "
+                  f"{checkpointer.origin()}", flush=True)
 
         result = {"losses": [], "valid": [], "step": step, "preempted": False}
         tokens_per_step = train.global_batch_size * recipe.model.seq_length
@@ -278,9 +229,7 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
                 metrics.log(step, {"valid/loss": val, "valid/ppl": math.exp(min(val, 50))},
                             f"step {step} | valid loss {val:.4f} | ppl {math.exp(min(val, 50)):.2f}")
             stop = preemption.requested()
-            if step % train.save_interval == 0 or step == train.steps or stop:
-                _save(save_dir, step, recipe, model, engine, tables)
-                metrics.log(step, {}, f"step {step} | saved {save_dir / checkpoint.iter_name(step)}")
+            checkpointer.save(step, force=stop)
             if stop:
                 result["preempted"] = True
                 metrics.log(step, {}, f"step {step} | stop signal: checkpoint saved, exiting "

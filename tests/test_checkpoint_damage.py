@@ -1,5 +1,6 @@
 """A damaged checkpoint is refused in one line naming the file, and a resume falls back
-to the newest whole one, saying so (checkpoint.resume_point, which the trainer uses).
+to the newest whole one, saying so (`resume_point`, which the trainer's `Checkpointer`
+uses).
 
 Each case damages the newest of two real checkpoints (a tiny model's dist checkpoint,
 saved through the same Writer as training) the way a full disk, a killed copy or a wrong
@@ -14,6 +15,7 @@ from megatron_stem import checkpoint
 from megatron_stem.config import ParallelConfig, Recipe
 from megatron_stem.errors import UserError
 from megatron_stem.model import build_model
+from megatron_stem.training.checkpointing import resume_point
 from megatron_stem.training.state import save_train_state
 from workers.common import tiny_model
 
@@ -72,7 +74,7 @@ def test_a_damaged_checkpoint_is_refused_and_the_run_falls_back(saved, damage):
     size = file.stat().st_size if file.exists() else 0
     spoil(file)
     said = []
-    assert checkpoint.resume_point(save_dir, recipe, said.append) == save_dir / "iter_0000001"
+    assert resume_point(save_dir, recipe, said.append) == save_dir / "iter_0000001"
     refusal, fallback = said
     assert refusal.startswith(f"warning: refusing checkpoint iter_0000002: {newest}")
     if name != "COMPLETE":
@@ -87,7 +89,7 @@ def test_latest_naming_a_missing_folder_falls_back_to_the_newest(saved):
     save_dir, recipe = saved
     (save_dir / "latest").write_text("iter_0000009\n")
     said = []
-    assert checkpoint.resume_point(save_dir, recipe, said.append) == save_dir / "iter_0000002"
+    assert resume_point(save_dir, recipe, said.append) == save_dir / "iter_0000002"
     assert said == [f"warning: {save_dir / 'latest'}: names iter_0000009, which does not exist",
                     f"warning: falling back to {save_dir / 'iter_0000002'}, the newest whole "
                     "checkpoint"]
@@ -96,12 +98,12 @@ def test_latest_naming_a_missing_folder_falls_back_to_the_newest(saved):
 def test_a_whole_checkpoint_resumes_silently_and_nothing_whole_is_an_error(saved):
     save_dir, recipe = saved
     said = []
-    assert checkpoint.resume_point(save_dir, recipe, said.append) == save_dir / "iter_0000002"
+    assert resume_point(save_dir, recipe, said.append) == save_dir / "iter_0000002"
     assert said == []
     for step in (1, 2):
         (save_dir / f"iter_000000{step}" / "model" / "common.pt").unlink()
     with pytest.raises(UserError, match=r"run: no whole checkpoint to resume from \(see the "
                                         r"lines above\); move the folder away"):
-        checkpoint.resume_point(save_dir, recipe, said.append)
+        resume_point(save_dir, recipe, said.append)
     assert len(said) == 2 and all("common.pt: missing" in line for line in said)
-    assert checkpoint.resume_point(save_dir.parent / "fresh", recipe) is None
+    assert resume_point(save_dir.parent / "fresh", recipe) is None

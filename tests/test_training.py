@@ -234,17 +234,18 @@ def test_init_from_starts_a_new_run_from_trained_weights(train, reference, tmp_p
 
 
 def test_resuming_a_weights_only_checkpoint_is_a_clear_error(world1, tmp_path):
-    from megatron_stem import checkpoint, train as trainer
-    from megatron_stem.config import ParallelConfig, Recipe
+    from megatron_stem import checkpoint
+    from megatron_stem.config import ParallelConfig, Recipe, TrainConfig
     from megatron_stem.errors import UserError
     from megatron_stem.model import build_model
+    from megatron_stem.training.checkpointing import Checkpointer
     from workers.common import tiny_model
 
-    recipe = Recipe(model=tiny_model())
+    recipe = Recipe(model=tiny_model(), train=TrainConfig(save_dir=str(tmp_path)))
     with checkpoint.Writer(tmp_path, 0, recipe) as folder:
         checkpoint.save_model(build_model(recipe.model, ParallelConfig()), folder)
     with pytest.raises(UserError, match="holds model weights only .* train.init_from="):
-        trainer._check_resumable(checkpoint.latest(tmp_path))
+        Checkpointer(recipe)
 
 
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(sp_model):

@@ -1,0 +1,178 @@
+"""A run's checkpoints: where it starts from, what it saves and when, which it keeps.
+
+One `Checkpointer` per run, made by `train.run` once the process group exists:
+
+    checkpointer = Checkpointer(recipe)          # the resume point, agreed by every rank
+    model = build_model(...)
+    checkpointer.load_weights(model)             # before the engine copies them
+    engine, tables, norms = build_engine(model, recipe)
+    step = checkpointer.resume(model, engine, tables)
+    ...
+    checkpointer.save(step, force=stop)          # every train.save_interval, last, on a stop
+
+The weights go in before the engine exists because DeepSpeed (and `TableOptimizer`, for
+the tables) takes its fp32 master copy from the model when it is built; a run started
+from `train.init_from` has no optimizer state that would put them there later.
+
+This module decides; the layers below write: `megatron_stem/checkpoint.py` (folders,
+atomic commit, `latest`, verification; shared with the tools) and `training/state.py`
+(optimizer and train state as dist checkpoints).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from megatron_stem import checkpoint
+from megatron_stem.config import Recipe
+from megatron_stem.errors import UserError
+from megatron_stem.training.state import (
+    OPTIM,
+    TRAIN_STATE,
+    load_optimizers,
+    load_train_state,
+    save_optimizers,
+    save_train_state,
+)
+
+
+class Checkpointer:
+    """Save and resume of the model, the DeepSpeed engine's optimizer, the tables'
+    optimizer and the train state (step, data position), with the run's policy: resume
+    from `latest` or the newest whole checkpoint before it, save every
+    `train.save_interval` steps, at the last step and on a stop, keep `train.keep_last`."""
+
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+        self.save_dir = Path(recipe.train.save_dir)
+        self.resume_from = agreed_resume_point(self.save_dir, recipe)
+        if self.resume_from is not None:
+            _check_resumable(self.resume_from)
+        init_from = recipe.train.init_from
+        self.init_from = checkpoint.resolve(init_from) \
+            if self.resume_from is None and init_from else None
+        self._parts = None  # (model, engine, tables), given by `resume`
+
+    def origin(self) -> str:
+        """Where the run starts, as its first log line says it."""
+        if self.resume_from is not None:
+            return f"resuming from {self.resume_from}"
+        return f"initialized from {self.init_from}" if self.init_from else "from scratch"
+
+    def load_weights(self, model) -> None:
+        """The resume point's weights, or `train.init_from`'s, into `model`."""
+        for source in filter(None, (self.resume_from, self.init_from)):
+            checkpoint.check_same_shape(checkpoint.read_recipe(source), self.recipe, source)
+            checkpoint.load_model(model, source)
+
+    def resume(self, model, engine, tables) -> int:
+        """Restore the resume point's optimizer states into `engine` and `tables` (the
+        weights are in already), and keep the three for `save`. Returns the step to
+        continue from: 0 for a new run."""
+        self._parts = (model, engine, tables)
+        if self.resume_from is None:
+            return 0
+        step = load_train_state(self.resume_from)["step"]
+        load_optimizers(model, engine.optimizer, tables, self.resume_from, step)
+        return step
+
+    def save(self, step: int, force: bool = False) -> bool:
+        """Save a complete checkpoint of `step` when one is due (or `force`: a stop), on
+        every rank together; returns whether it saved."""
+        train = self.recipe.train
+        if not (force or step % train.save_interval == 0 or step == train.steps):
+            return False
+        model, engine, tables = self._parts
+        tables.finish()  # an overlapped update: the model's tables complete
+        with checkpoint.Writer(self.save_dir, step, self.recipe) as folder:
+            checkpoint.save_model(model, folder)
+            save_optimizers(model, engine.optimizer, tables, folder)
+            if dist.get_rank() == 0:
+                save_train_state(folder, step, {"consumed_samples":
+                                                step * train.global_batch_size})
+        if dist.get_rank() == 0:
+            prune(self.save_dir, train.keep_last)
+            print(f"step {step} | saved {self.save_dir / checkpoint.iter_name(step)}",
+                  flush=True)
+        return True
+
+
+def _check_resumable(ckpt: Path) -> None:
+    if not (ckpt / OPTIM).is_dir() or not (ckpt / TRAIN_STATE).is_file():
+        raise UserError(f"{ckpt}: holds model weights only (an import or an export source), "
+                        "not a run to resume: start a new run from it with "
+                        f"train.init_from={ckpt} and another train.save_dir")
+
+
+def finished_step(recipe: Recipe) -> Optional[int]:
+    """The step of a run already trained to `train.steps` (said on rank 0), else None.
+    Read before the process group exists: a finished run starts nothing."""
+    ckpt = checkpoint.latest(recipe.train.save_dir)
+    if ckpt is None or not (ckpt / TRAIN_STATE).is_file():
+        return None
+    step = load_train_state(ckpt)["step"]
+    if step < recipe.train.steps:
+        return None
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"nothing left to train: {ckpt} is at step {step} of train.steps="
+              f"{recipe.train.steps} (raise train.steps to train on)", flush=True)
+    return step
+
+
+def resume_point(save_dir: str | Path, recipe, say: Callable[[str], None] = print
+                 ) -> Path | None:
+    """The checkpoint a run in `save_dir` resumes from: the one `latest` names, or, when
+    that one is damaged or missing, the newest whole one older than it (each refusal and
+    the fallback are `say`-ed in one line). None for a save dir without checkpoints."""
+    save_dir = Path(save_dir)
+    pointer = save_dir / checkpoint.LATEST
+    folders = sorted(checkpoint.iter_folders(save_dir), key=checkpoint.step_of, reverse=True)
+    named = pointer.read_text().strip() if pointer.is_file() else None
+    if named is not None and (save_dir / named).is_dir():
+        newest = checkpoint.step_of(save_dir / named)
+        folders = [save_dir / named] + [p for p in folders if checkpoint.step_of(p) < newest]
+    elif named is not None:
+        say(f"warning: {pointer}: names {named}, which does not exist")
+    elif not folders:
+        return None
+    for ckpt in folders:
+        try:
+            checkpoint.verify(ckpt, recipe)
+        except UserError as e:
+            say(f"warning: refusing checkpoint {ckpt.name}: {e}")
+            continue
+        if ckpt.name != named:
+            say(f"warning: falling back to {ckpt}, the newest whole checkpoint")
+        return ckpt
+    raise UserError(f"{save_dir}: no whole checkpoint to resume from (see the lines above); "
+                    "move the folder away, or set another train.save_dir, to start afresh")
+
+
+def agreed_resume_point(save_dir: str | Path, recipe) -> Path | None:
+    """`resume_point` as rank 0 finds it (and says it), the same for every rank."""
+    found = [None, None]  # checkpoint, or the error that there is none to resume from
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            found[0] = resume_point(save_dir, recipe, say=lambda line: print(line, flush=True))
+        except UserError as e:
+            found[1] = str(e)
+    if dist.is_initialized():
+        dist.broadcast_object_list(found, src=0)
+    if found[1] is not None:
+        raise UserError(found[1])
+    return found[0]
+
+
+def prune(save_dir: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints (0: keep all)."""
+    if keep_last <= 0:
+        return
+    done = sorted((p for p in checkpoint.iter_folders(save_dir)
+                   if (p / checkpoint.COMPLETE).exists()), key=checkpoint.step_of)
+    for old in done[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
