@@ -3,8 +3,9 @@
     torchrun --nproc_per_node N -m megatron_stem.train --recipe recipes/stem_1b.yaml \
         [section.field=value ...]
 
-Resumes from `<train.save_dir>/latest` when there is one. On SIGUSR1/SIGTERM (SLURM
-preemption, `--signal`) it saves a checkpoint and exits with `EXIT_REQUEUE`.
+Resumes from `<train.save_dir>/latest` when there is one (`training/checkpointing.py`).
+On SIGUSR1/SIGTERM (SLURM preemption, `--signal`) it saves a checkpoint and exits with
+`EXIT_REQUEUE` (`training/stop.py`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -31,25 +31,7 @@ from megatron_stem.training.data import StepBatches, build_datasets, check_prefi
 from megatron_stem.training.engine import build_engine, clip_coefficient
 from megatron_stem.training.lr import lr_at
 from megatron_stem.training.metrics import Metrics, memory_gb
-
-EXIT_REQUEUE = 99  # stopped by a signal after saving: the job should be requeued
-
-
-class Preemption:
-    """A flag set by SIGUSR1/SIGTERM; ranks agree on it once per step."""
-
-    def __init__(self):
-        self._flag = False
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._set)
-
-    def _set(self, signum, frame):
-        self._flag = True
-
-    def requested(self) -> bool:
-        flag = torch.tensor([float(self._flag)], device=device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+from megatron_stem.training.stop import EXIT_REQUEUE, StopSignal
 
 
 def _gpus_given(environ) -> str | None:
@@ -148,10 +130,7 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
         return {"losses": [], "valid": [], "step": finished, "preempted": False}
     check_prefixes(recipe.data.prefixes)
     tokenizer = tokenizer or _load_tokenizer(recipe)
-    # Before anything slow: a stop signal during start-up must set the flag, not kill the
-    # rank by default action (possibly while it holds torch's JIT-extension build lock,
-    # which would then hang every later run sharing that cache).
-    preemption = Preemption()
+    stop_signal = StopSignal()  # before anything slow (see there)
     init_distributed(recipe.parallel, seed=train.seed)
     tables = None
     try:
@@ -228,12 +207,13 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
                 result["valid"].append(val)
                 metrics.log(step, {"valid/loss": val, "valid/ppl": math.exp(min(val, 50))},
                             f"step {step} | valid loss {val:.4f} | ppl {math.exp(min(val, 50)):.2f}")
-            stop = preemption.requested()
+            stop = stop_signal.requested()
             checkpointer.save(step, force=stop)
             if stop:
                 result["preempted"] = True
                 metrics.log(step, {}, f"step {step} | stop signal: checkpoint saved, exiting "
                                       f"for requeue")
+                stop_signal.report()
                 break
         result["step"] = step
         metrics.close()

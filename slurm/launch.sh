@@ -1,7 +1,8 @@
 # Sourced by slurm/*.sbatch: runs megatron-stem training on the job's nodes.
 #
 # One `torchrun` per node (srun, one task per node), c10d rendezvous on the job's first
-# node, one rank per GPU. Stopping and requeueing:
+# node, one rank per GPU. Stopping and requeueing (what a stop does is the trainer's alone,
+# megatron_stem/training/stop.py; this script and slurm/torchrun.py only forward it):
 #   - SIGUSR1 to this batch shell (`#SBATCH --signal=B:USR1@300` before the time limit, or
 #     `scancel --signal=USR1 --batch JOB` by hand) is forwarded to every rank; the trainer
 #     finishes its step, saves a checkpoint and exits, then this script requeues the job;
@@ -43,11 +44,13 @@ _stem_restart=${SLURM_RESTART_COUNT:-0}
 # --- signals (first: a stop can come at any time) -------------------------------------------
 _stem_stop=0
 _stem_requeueing=0
+# Forward, and remember to requeue; the ranks decide what a stop does.
 _stem_on_usr1() {
     (( _stem_stop )) && return
     _stem_stop=1
     stem_log "SIGUSR1 (time limit near, or a manual stop): every rank saves a checkpoint and stops; then the job is requeued"
-    # Every process of the job's steps (torchrun and the ranks), not this batch shell.
+    # Every process of the job's steps (torchrun, which forwards it again, and the ranks),
+    # not this batch shell.
     scancel --signal=USR1 "$SLURM_JOB_ID" ||
         stem_log "warning: scancel --signal=USR1 $SLURM_JOB_ID failed"
 }
@@ -197,8 +200,8 @@ if (( ! _stem_stop )); then  # (a stop during the set-up: nothing to save, just 
 fi
 
 _stem_elapsed=$(date -u -d "@$(( SECONDS - _stem_t0 ))" +%T)
-# A stop asked for through this script, or SIGUSR1 sent to the job steps directly
-# (slurm/torchrun.py leaves a marker per node).
+# A stop asked for through this script, or SIGUSR1 sent to the job steps directly (the
+# trainer leaves a marker per node once its ranks saved and stopped to be requeued).
 compgen -G "$STEM_STOP_MARKER.*" >/dev/null && _stem_stop=1
 if (( _stem_stop )); then
     (( _stem_rc )) && stem_log "warning: srun exited with code $_stem_rc during the stop (see above); resuming from the last complete checkpoint"

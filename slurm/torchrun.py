@@ -1,9 +1,10 @@
 """torchrun as slurm/launch.sh runs it on each node: same arguments, quieter stop.
 
-torchrun forwards a stop signal to its ranks (`--signals-to-handle`), waits for them to
-save and exit (`--shutdown-timeout`), then dies with a SignalException traceback and exit
-code 1, which `srun --kill-on-bad-exit` would take for a crash. A stop is routine under
-SLURM, so on SignalException this wrapper instead
+What a stop signal does is the trainer's alone (megatron_stem/training/stop.py: finish
+the step, save a checkpoint, exit). torchrun only forwards the signal to its ranks
+(`--signals-to-handle`) and waits for them (`--shutdown-timeout`), then dies with a
+SignalException traceback and exit code 1, which `srun --kill-on-bad-exit` would take for
+a crash. A stop is routine under SLURM, so on SignalException this wrapper instead
 
 - ignores further stop signals and waits for any rank still running (repeated signals,
   e.g. a second SIGUSR1 and then SLURM's SIGTERM, cut torchrun's own wait short, and SLURM
@@ -13,8 +14,10 @@ SLURM, so on SignalException this wrapper instead
   the other nodes' torchruns still talk to that store while their ranks exit, and log a
   TCPStore error with a C++ stack when it is gone (the exception's traceback keeps
   torchrun's store alive meanwhile);
-- prints one line; on SIGUSR1 (stop to be requeued) touches `$STEM_STOP_MARKER.<host>` so
-  the batch script knows the ranks stopped, and exits 0; on other signals exits 128+signal.
+- prints one line and passes the ranks' answer on, which torchrun does not (it drops their
+  exit codes after a signal): exit 0 when they saved and stopped to be requeued (the
+  trainer then leaves `$STEM_STOP_MARKER.<host>`, which the batch script also reads),
+  else 128+signal, as for a process the signal ended.
 """
 
 import os
@@ -53,12 +56,8 @@ def run() -> int:
             time.sleep(STORE_LINGER_S)
         host = socket.gethostname()
         print(f"stem: {host}: ranks stopped by {e.sigval.name}", file=sys.stderr, flush=True)
-        if e.sigval == signal.SIGUSR1:
-            marker = os.environ.get("STEM_STOP_MARKER")
-            if marker:
-                Path(f"{marker}.{host}").touch()
-            return 0
-        return 128 + int(e.sigval)
+        marker = os.environ.get("STEM_STOP_MARKER")
+        return 0 if marker and Path(f"{marker}.{host}").is_file() else 128 + int(e.sigval)
     return 0
 
 

@@ -7,6 +7,7 @@ Every layout and update semantics must give the loss curve of the single-rank ru
 import json
 import subprocess
 import sys
+from socket import gethostname
 
 import numpy as np
 import pytest
@@ -78,11 +79,18 @@ def test_tp2_dp2_matches_tp1_dp1(train, reference):
     assert_same_curve(result["losses"], reference["lazy"]["losses"])
 
 
-def test_kill_and_resume_gives_the_same_curve(train, reference, tmp_path):
+def test_kill_and_resume_gives_the_same_curve(train, reference, tmp_path, monkeypatch):
+    (tmp_path / "job").mkdir()
+    marker = tmp_path / "job" / "stopped"
+    monkeypatch.setenv("STEM_STOP_MARKER", str(marker))  # as slurm/launch.sh sets it
     first = train(1, save_dir=tmp_path, preempt_at=3, name="preempted")
     assert first["preempted"] and first["step"] == 3
+    # The launcher learns that the ranks saved and stopped to be requeued.
+    assert list((tmp_path / "job").iterdir()) == [marker.with_name(f"stopped.{gethostname()}")]
+    marker.with_name(f"stopped.{gethostname()}").unlink()
     second = train(1, save_dir=tmp_path, name="resumed")
     assert not second["preempted"] and second["step"] == 6
+    assert not any((tmp_path / "job").iterdir())
     # Bit-exact: same data position, optimizer states and step count.
     assert first["losses"] + second["losses"] == reference["lazy"]["losses"]
     # One TensorBoard curve: the resumed run keeps the checkpoint step's events.
