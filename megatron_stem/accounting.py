@@ -61,6 +61,12 @@ def training_flops_per_token(model: ModelConfig) -> float:
         12 * model.num_layers * model.hidden_size * model.seq_length
 
 
+def mfu(tokens_per_s: float, model: ModelConfig, peak_flops: float, devices: int) -> float:
+    """Model FLOPs utilization: training FLOPs done per second over what `devices`
+    accelerators of `peak_flops` each could do."""
+    return tokens_per_s * training_flops_per_token(model) / (peak_flops * devices)
+
+
 def roi(accuracy: float, flops: float, dense_accuracy: float, dense_flops: float) -> float:
     """Accuracy per FLOP relative to the dense baseline (1.0 = as efficient as dense)."""
     return (accuracy / flops) / (dense_accuracy / dense_flops)

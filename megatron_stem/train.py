@@ -3,15 +3,17 @@
     torchrun --nproc_per_node N -m megatron_stem.train --recipe recipes/stem_1b.yaml \
         [section.field=value ...]
 
-Resumes from `<train.save_dir>/latest` when there is one (`training/checkpointing.py`).
-On SIGUSR1/SIGTERM (SLURM preemption, `--signal`) it saves a checkpoint and exits with
-`EXIT_REQUEUE` (`training/stop.py`).
+Resumes from `<train.save_dir>/latest` when there is one; on SIGUSR1/SIGTERM (SLURM
+preemption, `--signal`) saves a checkpoint and exits with `EXIT_REQUEUE`.
+
+This module is the loop (`run`); what surrounds it has rooms of its own: save and resume
+`training/checkpointing.py`, the stop signal `training/stop.py`, logging and MFU
+`training/metrics.py`.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
@@ -21,7 +23,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_stem import quiet
-from megatron_stem.accounting import account, training_flops_per_token
 from megatron_stem.config import Recipe, load_recipe
 from megatron_stem.errors import ConfigError, UserError, cli
 from megatron_stem.model import build_model
@@ -30,7 +31,7 @@ from megatron_stem.training.checkpointing import Checkpointer, finished_step
 from megatron_stem.training.data import StepBatches, build_datasets, check_prefixes
 from megatron_stem.training.engine import build_engine, clip_coefficient
 from megatron_stem.training.lr import lr_at
-from megatron_stem.training.metrics import Metrics, memory_gb
+from megatron_stem.training.metrics import Metrics
 from megatron_stem.training.stop import EXIT_REQUEUE, StopSignal
 
 
@@ -134,8 +135,6 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     init_distributed(recipe.parallel, seed=train.seed)
     tables = None
     try:
-        save_dir = Path(train.save_dir)
-        rank0 = dist.get_rank() == 0
         checkpointer = Checkpointer(recipe)  # where the run starts; says any fallback
         model = build_model(recipe.model, recipe.parallel, seed=train.seed,
                             tables=recipe.tables)
@@ -147,22 +146,15 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
         per_eval = train.eval_iters * train.micro_batch_size * dp
         train_ds, valid_ds = build_datasets(
             recipe, tokenizer, train.steps * train.global_batch_size, per_eval,
-            recipe.data.cache_dir or str(save_dir / "data_cache"))
+            recipe.data.cache_dir or str(Path(train.save_dir) / "data_cache"))
         batches = StepBatches(train_ds, train.micro_batch_size, train.global_batch_size,
                               dp_rank, dp, device())
         valid = StepBatches(valid_ds, train.micro_batch_size, per_eval, dp_rank, dp,
                             device()).microbatches(0)
-        # Purge from the first step this run logs: events a stopped run wrote after its
-        # checkpoint go, the checkpoint step's own stay (TensorBoard drops step >= purge_step).
-        metrics = Metrics(str(save_dir / "tensorboard"), enabled=rank0, purge_step=step + 1)
-        if rank0:
-            print(f"model: {account(recipe.model).summary()} | world {dist.get_world_size()}"
-                  f" = TP {recipe.parallel.tensor_parallel} x DP {dp} | "
-                  f"{checkpointer.origin()}", flush=True)
+        metrics = Metrics(recipe, first_step=step + 1)
+        metrics.start(checkpointer.origin())
 
         result = {"losses": [], "valid": [], "step": step, "preempted": False}
-        tokens_per_step = train.global_batch_size * recipe.model.seq_length
-        flops_per_token = training_flops_per_token(recipe.model)
         upcoming = batches.microbatches(step) if step < train.steps else None
         while step < train.steps:
             lr = lr_at(step, opt, train.steps)
@@ -177,36 +169,10 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
             result["losses"].append(loss)
             if on_step is not None:
                 on_step(step)
-            metrics.count_tokens(tokens_per_step)
-            if step % train.log_interval == 0 or step == train.steps:
-                tok_s = metrics.throughput()
-                scalars = {"train/loss": loss, "train/lr": lr,
-                           "grad_norm/total": norms.total, "grad_norm/backbone": norms.backbone,
-                           "grad_norm/tables": norms.tables,
-                           **{f"tables/{k}": v for k, v in tables.stats().items()},
-                           "throughput/tokens_per_s": tok_s, "memory/gb": memory_gb()}
-                extra = ""  # MFU and host-table figures, where there are any
-                if torch.cuda.is_available():
-                    scalars["throughput/mfu"] = tok_s * flops_per_token / (
-                        train.peak_flops * dist.get_world_size())
-                    extra = f" | MFU {scalars['throughput/mfu']:.1%}"
-                host = tables.host_stats()  # per-step averages since the last log
-                scalars.update({f"tables/{k}": v for k, v in host.items()})
-                if host:
-                    hits = f", cache hits {host['cache_hit_rate']:.1%}" \
-                        if "cache_hit_rate" in host else ""
-                    extra += (f" | prefetch wait {host['prefetch_wait_ms']:.1f} ms, "
-                            f"h2d {host['h2d_bytes'] / 2**20:.1f} MB{hits}")
-                metrics.log(step, scalars,
-                            f"step {step}/{train.steps} | loss {loss:.4f} | lr {lr:.2e} | grad "
-                            f"{norms.total:.3f} (backbone {norms.backbone:.3f}, tables "
-                            f"{norms.tables:.3f}) | rows {tables.touched_rows} | "
-                            f"{tok_s:,.0f} tok/s{extra} | mem {memory_gb():.2f} GB")
+            metrics.step(step, loss, lr, norms, tables)
             if step % train.eval_interval == 0 or step == train.steps:
-                val = evaluate(model, valid, tables)
-                result["valid"].append(val)
-                metrics.log(step, {"valid/loss": val, "valid/ppl": math.exp(min(val, 50))},
-                            f"step {step} | valid loss {val:.4f} | ppl {math.exp(min(val, 50)):.2f}")
+                result["valid"].append(evaluate(model, valid, tables))
+                metrics.valid(step, result["valid"][-1])
             stop = stop_signal.requested()
             checkpointer.save(step, force=stop)
             if stop:
