@@ -116,6 +116,21 @@ def _load_tokenizer(recipe: Recipe):
     return tokenizer
 
 
+def _data(recipe: Recipe, tokenizer) -> tuple[StepBatches, list[dict]]:
+    """This data-parallel rank's training batches (by step) and validation micro-batches."""
+    train = recipe.train
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    per_eval = train.eval_iters * train.micro_batch_size * dp
+    train_ds, valid_ds = build_datasets(
+        recipe, tokenizer, train.steps * train.global_batch_size, per_eval,
+        recipe.data.cache_dir or str(Path(train.save_dir) / "data_cache"))
+    batches = StepBatches(train_ds, train.micro_batch_size, train.global_batch_size,
+                          dp_rank, dp, device())
+    valid = StepBatches(valid_ds, train.micro_batch_size, per_eval, dp_rank, dp,
+                        device()).microbatches(0)
+    return batches, valid
+
+
 def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     """Train per `recipe`; returns {"losses": [per step run here], "valid": [...],
     "step": last step, "preempted": bool}. `on_step(step)` is called after every step
@@ -142,15 +157,7 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
         engine, tables, norms = build_engine(model, recipe)
         step = checkpointer.resume(model, engine, tables)  # and saves these from now on
 
-        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        per_eval = train.eval_iters * train.micro_batch_size * dp
-        train_ds, valid_ds = build_datasets(
-            recipe, tokenizer, train.steps * train.global_batch_size, per_eval,
-            recipe.data.cache_dir or str(Path(train.save_dir) / "data_cache"))
-        batches = StepBatches(train_ds, train.micro_batch_size, train.global_batch_size,
-                              dp_rank, dp, device())
-        valid = StepBatches(valid_ds, train.micro_batch_size, per_eval, dp_rank, dp,
-                            device()).microbatches(0)
+        batches, valid = _data(recipe, tokenizer)
         metrics = Metrics(recipe, first_step=step + 1)
         metrics.start(checkpointer.origin())
 
