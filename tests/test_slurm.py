@@ -129,6 +129,12 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, corpus_data, tm
     assert f"step {stop} | stop signal: checkpoint saved, exiting for requeue" in first
     assert "stem: node1: ranks stopped by SIGUSR1" in first
     assert "stem: node2: ranks stopped by SIGUSR1" in first
+    # The trainer on each node said it saved and stopped to be requeued, so each node's
+    # torchrun ended its task with 0 (no srun error during the stop).
+    jobs = tmp_path / "runs" / "stem-1b" / "jobs" / job
+    assert sorted(p.name for p in jobs.glob("stopped.*")) == ["stopped.0.node1",
+                                                               "stopped.0.node2"]
+    assert "during the stop" not in first
     assert f"latest checkpoint: iter_{stop:07d}; requeueing job {job} (restart 1" in first
     assert "Traceback" not in text and "FAILED" not in text
     ckpts = tmp_path / "runs" / "stem-1b" / "checkpoints"
