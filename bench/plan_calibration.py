@@ -21,6 +21,7 @@ profile's one-thread figures are CPU time too; the fastest measured step is comp
 """
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -94,6 +95,7 @@ class PartTimer:
     def __init__(self):
         self.wall, self.cpu = {}, {}
         self._mark = self._now()
+        self._inner = [0.0, 0.0]  # time since the last lap already charged by `charged`
 
     @staticmethod
     def _now() -> tuple[float, float]:
@@ -101,37 +103,80 @@ class PartTimer:
             torch.cuda.synchronize()
         return time.perf_counter(), time.process_time()
 
+    def _add(self, part: str, seconds: tuple[float, float]) -> None:
+        for clock, t in zip((self.wall, self.cpu), seconds):
+            clock[part] = clock.get(part, 0.0) + t
+
     def lap(self, part: str | None) -> None:
-        """Charge the time since the last lap to `part` (None: to nothing)."""
+        """Charge the time since the last lap to `part` (None: to nothing), less what
+        `charged` calls took meanwhile."""
         now = self._now()
         if part is not None:
-            for clock, i in ((self.wall, 0), (self.cpu, 1)):
-                clock[part] = clock.get(part, 0.0) + now[i] - self._mark[i]
-        self._mark = now
+            self._add(part, [now[i] - self._mark[i] - self._inner[i] for i in (0, 1)])
+        self._mark, self._inner = now, [0.0, 0.0]
+
+    @contextlib.contextmanager
+    def charged(self, obj, method: str, part: str):
+        """While in the block, the calls of `obj.method` are charged to `part` (and not to
+        the lap they run in): how the trainer's parts are split as the planner splits
+        them."""
+        fn = getattr(obj, method)
+
+        def timed(*args, **kwargs):
+            start = self._now()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = [a - b for a, b in zip(self._now(), start)]
+                self._add(part, spent)
+                self._inner = [a + b for a, b in zip(self._inner, spent)]
+
+        own = vars(obj).get(method)  # an attribute of the instance, or its class's method
+        setattr(obj, method, timed)
+        try:
+            yield
+        finally:
+            if own is None:
+                delattr(obj, method)
+            else:
+                setattr(obj, method, own)
 
 
-def timed_step(engine, tables, norms, mbs, next_mbs=None) -> dict:
+def timed_step(engine, tables, norms, mbs, next_mbs=None, clock="cpu") -> dict:
     """train.train_step + TableOptimizer.step (given the next step's ids, as the trainer
-    does for `overlap: next_step`), each part timed in both clocks."""
+    does for `overlap: next_step`), each part timed in both clocks: forward/backward,
+    DeepSpeed's gradient reduction (in the boundary backward), the tables' gradient sync,
+    DeepSpeed's step, the tables' Adam and their rows' publication (the all-gathers to
+    the other ranks' tables). In CPU time a `next_step` update is waited for in the
+    table step: CPU time counts its work wherever it runs."""
     from megatron_stem.train import _token_mean_loss
     from megatron_stem.training.engine import clip_coefficient
 
     t = PartTimer()
-    tables.stage(mbs)
-    t.lap("compute")
-    for mb in mbs:
-        engine.backward(_token_mean_loss(engine, mb))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(t.charged(engine, "allreduce_gradients", "backbone_reduce"))
+        if tables.shards is not None:
+            for publish in ("gather_shards", "gather_rows"):
+                stack.enter_context(t.charged(tables.shards, publish, "publish"))
+        tables.stage(mbs)
         t.lap("compute")
-        if engine.is_gradient_accumulation_boundary():
-            tables.sync_grads()
-            t.lap("sync")
-        engine.step()
-        t.lap("backbone")
-    next_ids = [mb["tokens"] for mb in next_mbs] if next_mbs else None
-    tables.step(1e-3, clip_coefficient(norms, 1.0), next_ids=next_ids)
-    t.lap("table_step")
-    for clock in (t.wall, t.cpu):
-        clock["step"] = sum(clock.values())
+        for mb in mbs:
+            engine.backward(_token_mean_loss(engine, mb))
+            t.lap("compute")
+            if engine.is_gradient_accumulation_boundary():
+                tables.sync_grads()
+                t.lap("sync")
+            engine.step()
+            t.lap("backbone_step")
+        next_ids = [mb["tokens"] for mb in next_mbs] if next_mbs else None
+        tables.step(1e-3, clip_coefficient(norms, 1.0), next_ids=next_ids)
+        if clock == "cpu":
+            tables.finish()
+        t.lap("table_adam")
+    for c in (t.wall, t.cpu):
+        c.setdefault("publish", 0.0)
+        c.setdefault("backbone_reduce", 0.0)
+        c["step"] = sum(c.values())
     # host tables: the forwards' wait for staged rows, out of the compute's wall time (in
     # CPU time the staging threads' work is part of the compute: not separable)
     wait = tables.host_stats().get("prefetch_wait_ms", 0.0) / 1e3
@@ -162,7 +207,7 @@ def worker(args) -> None:
         times, rows = [], []
         for i, (mbs, next_mbs) in enumerate(zip(steps, steps[1:])):
             dist.barrier()
-            t = timed_step(engine, tables, norms, mbs, next_mbs)
+            t = timed_step(engine, tables, norms, mbs, next_mbs, args.clock)
             stats = tables.stats()  # waits for a next_step update: its counters are in
             t["comm_bytes"], t["adam_elements"] = stats["comm_bytes"], stats["adam_elements"]
             if i:  # the first step allocates the optimizer states
@@ -177,8 +222,9 @@ def worker(args) -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        # per clock the fastest step; over ranks the slowest; rows averaged
-        best = {clock: min((t[clock] for t in times), key=lambda p: p["step"])
+        # per clock and part the fastest of the steps (noise only ever slows a part down);
+        # over ranks the slowest; rows averaged
+        best = {clock: {k: min(t[clock][k] for t in times) for k in times[0][clock]}
                 for clock in ("wall", "cpu")}
         mean_rows = {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
         gathered = [None] * dp
@@ -215,8 +261,13 @@ def text_ids(tmp: Path) -> Path:
     return path
 
 
+# The planner's components of the tables' update that publish the updated rows to the
+# other ranks' tables (the rest of the update phase is the Adam itself).
+PUBLISH = ("all-gather updated rows", "cast updated rows", "H2D updated rows")
+
+
 def predict(variant: str, dp: int, args, hw, rows: dict | None):
-    """The planner's parts for one variant: compute, sync, backbone, table step, staging."""
+    """The planner's parts for one variant, split as `timed_step` measures them."""
     from megatron_stem.planning import step
 
     recipe = _recipe(variant, dp, args.microbatches, args.preset, args.kernel)
@@ -224,11 +275,22 @@ def predict(variant: str, dp: int, args, hw, rows: dict | None):
     w = step.workload(recipe, cluster, rows_override=rows)
     p = step.plan(w, None if variant == "dense" else step.configured_option(recipe),
                   cluster, hw)
-    reduce = sum(c.seconds for c in p.components if c.name.startswith("backbone grad"))
-    # DeepSpeed reduces the backbone's grads inside the boundary micro-batch's backward
-    parts = {"compute": p.seconds("compute") + reduce,
-             "backbone": p.seconds("backbone") - reduce,
-             "sync": p.seconds("sync"), "table_step": p.seconds("tables"),
+
+    def total(phase, name=lambda n: True):
+        return sum(c.seconds for c in p.components if c.phase == phase and name(c.name))
+
+    def reduce(n):
+        return n.startswith("backbone grad")
+
+    def publish(n):
+        return n.startswith(PUBLISH)
+
+    parts = {"compute": p.seconds("compute"),
+             "backbone_reduce": total("backbone", reduce),
+             "backbone_step": total("backbone", lambda n: not reduce(n)),
+             "sync": p.seconds("sync"),
+             "table_adam": total("tables", lambda n: not publish(n)),
+             "publish": total("tables", publish),
              "staging_wait": step.exposed_staging_seconds(
                  w, [c for c in p.components if c.phase == "staging"], p.seconds("compute"))}
     if args.clock == "cpu":  # CPU time counts work, hidden or not; staging threads' too
@@ -242,7 +304,8 @@ def predict(variant: str, dp: int, args, hw, rows: dict | None):
     return parts, w.rows
 
 
-PARTS = ("compute", "sync", "backbone", "table_step", "staging_wait", "step")
+PARTS = ("compute", "backbone_reduce", "backbone_step", "sync", "table_adam", "publish",
+         "staging_wait", "step")
 
 
 def main() -> None:
@@ -252,7 +315,7 @@ def main() -> None:
                     "device/lazy/sharded,host/dense/sharded,device/dense/sharded/next_step",
                     help="dense, or placement/update/partition[/overlap], comma-separated")
     ap.add_argument("--microbatches", type=int, default=2, help="per rank per step")
-    ap.add_argument("--steps", type=int, default=2, help="measured steps (after a first)")
+    ap.add_argument("--steps", type=int, default=3, help="measured steps (after a first)")
     ap.add_argument("--calibrate", action="store_true", help="re-measure the cpu profile")
     ap.add_argument("--preset", default="cpu", choices=["cpu", "gpu-1b", "tiny"],
                     help="model shape: cpu (the calibration shape), gpu-1b, tiny (dry run)")
@@ -292,7 +355,8 @@ def main() -> None:
                             f"--nproc_per_node={dp}", __file__, "--worker", "--ids", str(ids),
                             "--out", str(out), "--variants", args.variants, "--steps",
                             str(args.steps), "--microbatches", str(args.microbatches),
-                            "--preset", args.preset, "--kernel", args.kernel],
+                            "--preset", args.preset, "--kernel", args.kernel,
+                            "--clock", args.clock],
                            check=True, env=env, stdout=subprocess.DEVNULL)
             measured = json.loads(out.read_text())
             for variant, m in measured.items():
@@ -321,7 +385,8 @@ def main() -> None:
                         continue  # below timer noise at this size
                     ra, rb = a / max(got, 1e-9), b / max(got, 1e-9)
                     note = ""
-                    if part == "table_step" and variant.endswith("next_step"):
+                    if part in ("table_adam", "publish") and args.clock == "wall" and \
+                            variant.endswith("next_step"):
                         note = "  (runs during the next step: compare the steps)"
                     elif got < 0.05 * parts["step"]:
                         note = "  (minor: under 5% of the step)"

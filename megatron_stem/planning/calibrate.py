@@ -1,12 +1,16 @@
 """Measure the `cpu` hardware profile on this machine.
 
-Per core (one thread, as each training rank runs): DeepSpeed's CPU Adam kernel and the
-same update in torch ops (elements/s), a row gather and a plain copy (GB/s, also with all
-cores: the node's rate), the forward/backward FLOP/s of the calibration model (a dense
-model of the mid-size shape bench/plan_calibration.py trains), and gloo's all-reduce bus
-bandwidth and all-to-all bandwidth, all-gather bandwidth and the latency of a one-element all-reduce on two
-ranks. Each figure is the best of a few repeats (other jobs on the
-machine only ever slow a run down); one-thread figures are timed in CPU time.
+Every figure is what one training rank gets while the others run: each micro-benchmark
+runs in one process per core at the same time (one thread each, as the ranks run), timed
+in the process's CPU time (which other jobs on a shared machine do not inflate; the
+bench compares the trainer's parts in the same clock), at the sizes the calibration step
+moves, best of a few repeats (other jobs only ever slow a run down), slowest process:
+DeepSpeed's CPU Adam kernel and the same update in torch ops (elements/s),
+torch.optim.AdamW (the backbone's optimizer on CPU), a row gather, a copy into a reused
+buffer and a copy into a newly allocated one (buffers above glibc's mmap threshold are
+fresh pages every time: page faults, several times slower), the forward/backward FLOP/s
+of the calibration model, and gloo's all-reduce, all-to-all and all-gather on one rank
+per core (CPU time per byte moved) with the CPU time of a one-element all-reduce.
 
     python -m megatron_stem.planning.calibrate   # prints the profile, caches it
     python -m megatron_stem.planning.calibrate --gpu h200 --out h200.json  # on a GPU node
@@ -59,11 +63,10 @@ def _best(fn, repeats: int = 5, clock=None) -> float:
 
 def adam_rate(kernel: str, elements: int = 1 << 25) -> float:
     """Elements/s of one in-place AdamW update of contiguous fp32 tensors, one thread
-    (512 MB of state and grad: from DRAM, not the caches, as a table's update runs)."""
-    from megatron_stem.training.engine import set_extensions_cache
+    (at 8M elements, 128 MB of state and grad: from DRAM, not the caches, as a table's
+    update runs)."""
     from megatron_stem.training.table_optim import AdamKernel
 
-    set_extensions_cache()
     k = AdamKernel(kernel, (0.9, 0.95), 1e-8)
     p, g, m, v = (torch.rand(elements) for _ in range(4))
     step = iter(range(1, 1 << 30))
@@ -79,8 +82,9 @@ def optimizer_rate(elements: int = 1 << 25) -> float:
     return elements / _best(opt.step)
 
 
-def copy_rates(rows: int = 65536, width: int = 1024, picked: int = 32768) -> tuple[float, float]:
-    """(gather, memcpy) bytes written per second at the current thread count."""
+def copy_rates(rows: int = 65536, width: int = 1024, picked: int = 16384) -> tuple[float, float]:
+    """(gather, memcpy) bytes written per second at the current thread count, into reused
+    buffers (64 MB: the size of the calibration step's grads and tables)."""
     table = torch.randn(rows, width)
     ids = torch.randperm(rows)[:picked].sort().values
     out = torch.empty(picked, width)
@@ -89,6 +93,45 @@ def copy_rates(rows: int = 65536, width: int = 1024, picked: int = 32768) -> tup
     gather = nbytes / _best(lambda: torch.index_select(table, 0, ids, out=out))
     memcpy = nbytes / _best(lambda: out.copy_(src))
     return gather, memcpy
+
+
+def alloc_copy_rate(nbytes: int = 64 << 20) -> float:
+    """Bytes/s of a copy into a newly allocated buffer (what `clone`, `torch.cat` or a
+    flatten does): on the CPU, glibc maps a buffer this large afresh and every page faults
+    on its first write; GPUs' caching allocators reuse memory (the profile then leaves 0:
+    the memory bandwidth)."""
+    src = torch.randn(nbytes // 4)
+    return nbytes / _best(src.clone)
+
+
+# Sizes of the calibration step (DP2): a table's rows one owner updates (16,000 x 512),
+# the backbone's ZeRO partition (10M elements).
+TABLE_ADAM_ELEMENTS = 1 << 23
+BACKBONE_PARTITION_ELEMENTS = 10 << 20
+
+
+def rank_rates() -> dict:
+    """One rank's CPU rates (one thread), at the calibration step's sizes."""
+    torch.set_num_threads(1)
+    gather, memcpy = copy_rates()
+    return {"cpu_adam_rate": adam_rate("deepspeed", TABLE_ADAM_ELEMENTS),
+            "torch_adam_rate": adam_rate("torch", TABLE_ADAM_ELEMENTS),
+            "backbone_adam_rate": optimizer_rate(BACKBONE_PARTITION_ELEMENTS),
+            "gather_bw": gather, "memory_bw": memcpy, "alloc_copy_bw": alloc_copy_rate()}
+
+
+def _corun(call: str, processes: int) -> list:
+    """`call`'s result in each of `processes` fresh one-thread processes started together:
+    what each rank gets while the others run."""
+    code = ("import torch\ntorch.set_num_threads(1)\n"
+            f"from megatron_stem.planning.calibrate import *\nprint(repr({call}))")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              text=True, env=env) for _ in range(processes)]
+    outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"calibration step failed: {call}")
+    return [eval(out.strip().splitlines()[-1]) for out in outs]  # noqa: S307 (our own repr)
 
 
 def compute_rate(model_kwargs: dict | None = None, micro_batch: int = MICRO_BATCH,
@@ -131,20 +174,21 @@ def compute_rates(model_kwargs: dict, micro_batch: int, dtype: str) -> tuple[flo
     tokens = micro_batch * model_kwargs["seq_length"]
     dense = ModelConfig(**model_kwargs)
     stem = ModelConfig(**model_kwargs, stem_layers="1/2")
-    flops = training_flops_per_token(dense) * tokens / _in_fresh_process(
-        f"compute_rate({model_kwargs!r}, {micro_batch}, {dtype!r})", threads=_threads())
-    stem_s = _in_fresh_process(
-        f"compute_rate({model_kwargs!r}, {micro_batch}, {dtype!r}, stem_layers='1/2')",
-        threads=_threads())
+    call = f"compute_rate({model_kwargs!r}, {micro_batch}, {dtype!r}"
+    flops = training_flops_per_token(dense) * tokens / _rank_seconds(call + ")")
+    stem_s = _rank_seconds(call + ", stem_layers='1/2')")
     extra = stem_s - training_flops_per_token(stem) * tokens / flops
     rows = 4 * tokens * stem.ffn_hidden_size * len(stem.stem_layer_indices) * \
         (2 if dtype == "bf16" else 4)
     return flops, rows / max(extra, 1e-6)
 
 
-def _threads() -> int | None:
-    """One thread for a measurement of the CPU profile (a rank's), the default on GPUs."""
-    return None if torch.cuda.is_available() else 1
+def _rank_seconds(call: str) -> float:
+    """Seconds of `call` (which initializes torch.distributed) as a rank runs it: on a
+    GPU in a fresh process; on the CPU in one process per core at once, the slowest."""
+    if torch.cuda.is_available():
+        return _in_fresh_process(call)
+    return max(_corun(call, len(os.sched_getaffinity(0))))
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -180,30 +224,35 @@ def _gloo_worker(rank: int, world: int, path: str, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
-    n = 1 << 22  # 16 MB of fp32
+    n = 1 << 24  # 64 MB of fp32: the calibration step's grads (82 MB) and tables (66 MB)
     x = torch.ones(n)
     parts = [torch.empty(n // world) for _ in range(world)]
     sends = list(torch.ones(n).chunk(world))
 
-    def barrier_then(fn):
+    def cpu_seconds(fn, repeats):
+        """This rank's CPU time in `fn` (best of `repeats`), each call started together;
+        a gloo rank sleeps while it waits for the others: CPU time is its work."""
         def run():
             dist.barrier()
             fn()
-        return run
+        return _best(run, repeats, time.process_time)
 
     tiny = torch.ones(1)
-    latency = _best(barrier_then(lambda: dist.all_reduce(tiny)), 20, time.perf_counter)
-    ar = _best(barrier_then(lambda: dist.all_reduce(x)), 4, time.perf_counter)
-    a2a = _best(barrier_then(lambda: dist.all_to_all(parts, sends)), 4, time.perf_counter)
     shard = torch.ones(n // world)
-    ag = _best(barrier_then(lambda: dist.all_gather(parts, shard)), 4, time.perf_counter)
+    seconds = {"latency": cpu_seconds(lambda: dist.all_reduce(tiny), 20),
+               "allreduce": cpu_seconds(lambda: dist.all_reduce(x), 4),
+               "alltoall": cpu_seconds(lambda: dist.all_to_all(parts, sends), 4),
+               "allgather": cpu_seconds(lambda: dist.all_gather(parts, shard), 4)}
+    slowest = [None] * world
+    dist.all_gather_object(slowest, seconds)
     if rank == 0:
-        busbw = 2 * n * 4 * (world - 1) / world / ar
-        a2a_bw = n * 4 * (world - 1) / world / a2a  # bytes sent to the other ranks
-        with open(out, "w") as f:
-            json.dump({"allreduce_busbw": busbw, "alltoall_bw": a2a_bw,
-                       "allgather_bw": n * 4 * (world - 1) / world / ag,  # received
-                       "latency": latency}, f)
+        t = {k: max(s[k] for s in slowest) for k in seconds}
+        moved = n * 4 * (world - 1) / world
+        with open(out, "w") as f:  # the bus bandwidth formulas of hardware.py
+            json.dump({"allreduce_busbw": 2 * moved / t["allreduce"],
+                       "alltoall_bw": moved / t["alltoall"],  # bytes sent to the others
+                       "allgather_bw": moved / t["allgather"],  # bytes received
+                       "latency": t["latency"]}, f)
     dist.destroy_process_group()
 
 
@@ -218,38 +267,29 @@ def gloo_rates(world: int = 2) -> dict:
 
 
 def measure_cpu() -> Hardware:
-    """The `cpu` profile, measured now (about a minute)."""
+    """The `cpu` profile, measured now (two to three minutes): a rank's CPU time while
+    every core runs a rank (module docstring)."""
     cores = len(os.sched_getaffinity(0))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        ds, pt = adam_rate("deepspeed"), adam_rate("torch")
-        backbone = optimizer_rate()
-        gather1, memcpy1 = copy_rates()
-        torch.set_num_threads(cores)
-        gather_n, memcpy_n = copy_rates()
-    finally:
-        torch.set_num_threads(threads)
+    ranks = _corun("rank_rates()", cores)
+    rate = {k: min(r[k] for r in ranks) for k in ranks[0]}  # the slowest rank's
     flops, table_bw = compute_rates(CALIBRATION_MODEL, MICRO_BATCH, "fp32")
-    gloo = gloo_rates()
+    gloo = gloo_rates(cores)
     return Hardware(
-        name="cpu", peak_flops=flops, mfu=1.0, memory_bw=memcpy1, table_rows_bw=table_bw,
-        memory_bytes=0.0,
-        nvlink_bw=0.0, nic_bw=0.0, nics_per_node=0, pinned_copy_bw=memcpy1,
-        pageable_copy_bw=memcpy1, dram_bw=max(memcpy_n, memcpy1) * 2,  # read + write
-        gather_bw=max(gather_n, gather1), cpu_adam_rate=ds, torch_adam_rate=pt, cores=cores,
-        backbone_adam_rate=backbone,
+        name="cpu", peak_flops=flops, mfu=1.0, memory_bw=rate["memory_bw"],
+        table_rows_bw=table_bw, memory_bytes=0.0,
+        nvlink_bw=0.0, nic_bw=0.0, nics_per_node=0, pinned_copy_bw=rate["memory_bw"],
+        pageable_copy_bw=rate["memory_bw"], dram_bw=2 * rate["memory_bw"] * cores,
+        gather_bw=rate["gather_bw"] * cores, cpu_adam_rate=rate["cpu_adam_rate"],
+        torch_adam_rate=rate["torch_adam_rate"], cores=cores,
+        backbone_adam_rate=rate["backbone_adam_rate"], alloc_copy_bw=rate["alloc_copy_bw"],
         device_is_host=True, gloo_allreduce_busbw=gloo["allreduce_busbw"],
         gloo_alltoall_bw=gloo["alltoall_bw"], gloo_allgather_bw=gloo["allgather_bw"],
         collective_latency=gloo["latency"])
 
 
-def _in_fresh_process(call: str, threads: int | None = None) -> float:
+def _in_fresh_process(call: str) -> float:
     """A measurement that initializes torch.distributed, in a child process."""
-    code = "import torch\n"
-    if threads:
-        code += f"torch.set_num_threads({threads})\n"
-    code += f"from megatron_stem.planning.calibrate import *\nprint({call})"
+    code = f"from megatron_stem.planning.calibrate import *\nprint({call})"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True).stdout
     return float(out.split()[-1])

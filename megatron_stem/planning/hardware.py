@@ -23,7 +23,9 @@ Derived, and stated as assumptions (bench/gpu/run_all.sh refits them on one H200
 
 The `cpu` profile is this machine, measured by `planning/calibrate.py` and cached in a
 small JSON (`--calibrate` re-measures): everything is one node, "device" memory is host
-memory (no copies), collectives are gloo's.
+memory (no copies), collectives are gloo's. Its rates are a rank's CPU time (one thread)
+while every core runs a rank, at the calibration step's sizes: the clock
+bench/plan_calibration.py compares in on this shared machine.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ class Hardware:
     table_rows_bw: float = 0.0
     # CPU profile: torch.optim.AdamW's elements/s per core (the backbone's optimizer there)
     backbone_adam_rate: float = 0.0
+    # Copies into newly allocated buffers, B/s written: on the CPU a large allocation is
+    # fresh pages (page faults) every time; 0 = memory_bw (GPUs' caching allocators)
+    alloc_copy_bw: float = 0.0
     # CPU profile only: "device" memory is host memory, collectives are gloo's (measured).
     device_is_host: bool = False
     gloo_allreduce_busbw: float = 0.0
@@ -132,6 +137,14 @@ class Hardware:
         nic_per_gpu = self.nics_per_node * self.nic_bw / gpus_per_node
         eff = self.collective_efficiency
         return max(remote / (nic_per_gpu * eff), near / (self.nvlink_bw * eff))
+
+    def alloc_copy_seconds(self, nbytes: float, ranks_per_node: int) -> float:
+        """One rank's copy of `nbytes` into a newly allocated buffer (the accelerator's
+        memory; on the CPU profile, its page faults included)."""
+        bw = self.alloc_copy_bw or self.memory_bw
+        if self.device_is_host:
+            bw *= self.threads_per_rank(ranks_per_node)
+        return nbytes / bw
 
     def copy_bw(self, pinned: bool, ranks_per_node: int) -> float:
         """One rank's host<->device copy rate while every rank of the node copies."""

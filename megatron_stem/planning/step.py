@@ -49,7 +49,10 @@ CHUNKS_PER_TABLE = 4  # `backward`/`delayed`: a table's rows go through the path
 # (Korthikanti et al. 2022: 34 x hidden bytes per token per layer, the s^2 term gone).
 ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN = 34
 # Passes over the backbone's fp32 grads that DeepSpeed's ZeRO-1/2 step makes besides Adam.
-ZERO_PASSES = 6
+ZERO_PASSES = 5
+# Copies of the backbone's grads into new buffers as DeepSpeed reduces them (the bucket,
+# its flattened copy for the collective), besides the partition's share (1/DP).
+ZERO_REDUCE_BUFFER_PASSES = 2
 # ZeRO-1/2 backbone: bf16 params and grads on the device, fp32 master and moments / DP.
 BACKBONE_OPTIMIZER_BYTES_PER_PARAM = 12
 
@@ -288,16 +291,22 @@ def compute_components(w: Workload, cluster: Cluster, hw: Hardware) -> list[Comp
 
 
 def backbone_components(w: Workload, cluster: Cluster, hw: Hardware) -> list[Component]:
-    """ZeRO-1: one reduce-scatter of the bf16 grads at the accumulation boundary; ZeRO-2:
-    one per micro-batch (DeepSpeed reduces each backward's grads into the partitions);
-    then the partition's Adam and the all-gather of updated params (overlap_comm off)."""
+    """DeepSpeed's ZeRO-1/2 as configured (overlap_comm off, DeepSpeed's default
+    `use_multi_rank_bucket_allreduce`): at the accumulation boundary (ZeRO-2: every
+    micro-batch) the grads are copied into the reduction bucket, flattened and all-reduced
+    (the whole grads, not a reduce-scatter), and the partition's share copied out; then
+    the partition's Adam and the all-gather of the updated params."""
     p, dp = w.backbone_params, w.dp
     rpn = min(cluster.gpus_per_node, dp)
     grads = p * w.dtype_bytes
     reductions = 1 if w.zero_stage == 1 else w.microbatches
-    out = [Component(f"backbone grad reduce-scatter (ZeRO-{w.zero_stage})", "net",
+    out = [Component(f"backbone grad all-reduce (ZeRO-{w.zero_stage})", "net",
                      grads * reductions, "B",
-                     reductions * _ring_seconds(grads, dp, 1, hw, rpn), "backbone")]
+                     reductions * _ring_seconds(grads, dp, 2, hw, rpn), "backbone")]
+    if dp > 1:  # one rank: DeepSpeed reduces nothing
+        b = reductions * grads * (ZERO_REDUCE_BUFFER_PASSES + 1 / dp)
+        out.append(Component("backbone grad buffers (memory)", "mem", b, "B",
+                             hw.alloc_copy_seconds(b, rpn), "backbone"))
     elems = p / dp
     if hw.device_is_host:
         rate = hw.backbone_adam_rate or hw.torch_adam_rate
@@ -305,8 +314,8 @@ def backbone_components(w: Workload, cluster: Cluster, hw: Hardware) -> list[Com
     else:
         opt_s = elems * (hw.adam_bytes_per_element + w.dtype_bytes) / hw.memory_bw
     out.append(Component("backbone Adam (partition)", "mem", elems, "elem", opt_s, "backbone"))
-    # DeepSpeed's passes over the fp32 grads around the step: flatten into the partition
-    # buffer, norm, overflow check, clip, copy back into the params, all-gather's output
+    # DeepSpeed's passes over the fp32 grads around the step: norm, overflow check, clip,
+    # copy back into the params, all-gather's output
     b = ZERO_PASSES * p * 4
     bw = hw.memory_bw if not hw.device_is_host else hw.memory_bw * hw.threads_per_rank(rpn)
     out.append(Component("backbone ZeRO bookkeeping (memory)", "mem", b, "B", b / bw,
