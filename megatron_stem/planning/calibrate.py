@@ -246,24 +246,27 @@ def _gloo_worker(rank: int, world: int, path: str, out: str) -> None:
     slowest = [None] * world
     dist.all_gather_object(slowest, seconds)
     if rank == 0:
-        t = {k: max(s[k] for s in slowest) for k in seconds}
-        moved = n * 4 * (world - 1) / world
-        with open(out, "w") as f:  # the bus bandwidth formulas of hardware.py
-            json.dump({"allreduce_busbw": 2 * moved / t["allreduce"],
-                       "alltoall_bw": moved / t["alltoall"],  # bytes sent to the others
-                       "allgather_bw": moved / t["allgather"],  # bytes received
-                       "latency": t["latency"]}, f)
+        with open(out, "w") as f:
+            json.dump({k: max(s[k] for s in slowest) for k in seconds} | {"bytes": n * 4}, f)
     dist.destroy_process_group()
 
 
-def gloo_rates(world: int = 2) -> dict:
+def gloo_rates(alloc_copy_bw: float, world: int = 2) -> dict:
+    """gloo's rates in the formulas of hardware.py (one rank's CPU time): all-reduce bus
+    bandwidth, all-to-all bytes sent to the others per second, all-gather bytes received
+    per second beyond the copy of the whole output through a new buffer (at
+    `alloc_copy_bw`), and the one-element all-reduce's seconds."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "gloo.json")
         mp.spawn(_gloo_worker, args=(world, os.path.join(tmp, "store"), out), nprocs=world)
         with open(out) as f:
-            return json.load(f)
+            t = json.load(f)
+    moved = t["bytes"] * (world - 1) / world
+    gather = max(t["allgather"] - t["bytes"] / alloc_copy_bw, 0.1 * t["allgather"])
+    return {"allreduce_busbw": 2 * moved / t["allreduce"], "alltoall_bw": moved / t["alltoall"],
+            "allgather_bw": moved / gather, "latency": t["latency"]}
 
 
 def measure_cpu() -> Hardware:
@@ -273,7 +276,7 @@ def measure_cpu() -> Hardware:
     ranks = _corun("rank_rates()", cores)
     rate = {k: min(r[k] for r in ranks) for k in ranks[0]}  # the slowest rank's
     flops, table_bw = compute_rates(CALIBRATION_MODEL, MICRO_BATCH, "fp32")
-    gloo = gloo_rates(cores)
+    gloo = gloo_rates(rate["alloc_copy_bw"], cores)
     return Hardware(
         name="cpu", peak_flops=flops, mfu=1.0, memory_bw=rate["memory_bw"],
         table_rows_bw=table_bw, memory_bytes=0.0,

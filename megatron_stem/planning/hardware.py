@@ -75,7 +75,9 @@ class Hardware:
     device_is_host: bool = False
     gloo_allreduce_busbw: float = 0.0
     gloo_alltoall_bw: float = 0.0
-    gloo_allgather_bw: float = 0.0  # bytes received per second per rank
+    # bytes received per second per rank, beyond the copy of the whole output through a
+    # new buffer (`allgather_seconds`)
+    gloo_allgather_bw: float = 0.0
 
     # -- rates ---------------------------------------------------------------------------
 
@@ -120,7 +122,11 @@ class Hardware:
         if ranks <= 1 or received_bytes == 0:
             return 0.0
         if self.device_is_host and self.gloo_allgather_bw:
-            return received_bytes / (self.gloo_allgather_bw * self.threads_per_rank(ranks))
+            # gloo gathers into a new flat buffer (ProcessGroupGloo: fresh pages) and
+            # copies it out: the whole output, besides the bytes received
+            output = received_bytes * ranks / (ranks - 1)
+            return self.alloc_copy_seconds(output, ranks) + received_bytes / (
+                self.gloo_allgather_bw * self.threads_per_rank(ranks))
         return received_bytes / self.ring_busbw(ranks, ranks_per_node)
 
     def alltoall_seconds(self, sent_bytes: float, ranks: int, gpus_per_node: int) -> float:

@@ -48,11 +48,16 @@ CHUNKS_PER_TABLE = 4  # `backward`/`delayed`: a table's rows go through the path
 # Activation memory per token per layer in bf16 without recompute, with flash attention
 # (Korthikanti et al. 2022: 34 x hidden bytes per token per layer, the s^2 term gone).
 ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN = 34
-# Passes over the backbone's fp32 grads that DeepSpeed's ZeRO-1/2 step makes besides Adam.
-ZERO_PASSES = 5
-# Copies of the backbone's grads into new buffers as DeepSpeed reduces them (the bucket,
-# its flattened copy for the collective), besides the partition's share (1/DP).
+# Passes over the partition's fp32 grads that DeepSpeed's ZeRO-1/2 step makes besides
+# Adam: into new buffers (the flattened partition, the norm's copy), and in place (clip,
+# the updated partition copied into the params).
+ZERO_STEP_BUFFER_PASSES = 2
+ZERO_STEP_PASSES = 2
+# Passes over the backbone's grads as DeepSpeed reduces them: into new buffers (the
+# bucket, its flattened copy for the collective; and the partition's share, 1/DP), and
+# in place (the averaging divide, the reduced values copied back into the bucket).
 ZERO_REDUCE_BUFFER_PASSES = 2
+ZERO_REDUCE_PASSES = 2
 # ZeRO-1/2 backbone: bf16 params and grads on the device, fp32 master and moments / DP.
 BACKBONE_OPTIMIZER_BYTES_PER_PARAM = 12
 
@@ -303,10 +308,12 @@ def backbone_components(w: Workload, cluster: Cluster, hw: Hardware) -> list[Com
     out = [Component(f"backbone grad all-reduce (ZeRO-{w.zero_stage})", "net",
                      grads * reductions, "B",
                      reductions * _ring_seconds(grads, dp, 2, hw, rpn), "backbone")]
+    bw = hw.memory_bw if not hw.device_is_host else hw.memory_bw * hw.threads_per_rank(rpn)
     if dp > 1:  # one rank: DeepSpeed reduces nothing
-        b = reductions * grads * (ZERO_REDUCE_BUFFER_PASSES + 1 / dp)
-        out.append(Component("backbone grad buffers (memory)", "mem", b, "B",
-                             hw.alloc_copy_seconds(b, rpn), "backbone"))
+        fresh = reductions * grads * (ZERO_REDUCE_BUFFER_PASSES + 1 / dp)
+        in_place = reductions * grads * ZERO_REDUCE_PASSES
+        out.append(Component("backbone grad buffers (memory)", "mem", fresh + in_place, "B",
+                             hw.alloc_copy_seconds(fresh, rpn) + in_place / bw, "backbone"))
     elems = p / dp
     if hw.device_is_host:
         rate = hw.backbone_adam_rate or hw.torch_adam_rate
@@ -314,12 +321,10 @@ def backbone_components(w: Workload, cluster: Cluster, hw: Hardware) -> list[Com
     else:
         opt_s = elems * (hw.adam_bytes_per_element + w.dtype_bytes) / hw.memory_bw
     out.append(Component("backbone Adam (partition)", "mem", elems, "elem", opt_s, "backbone"))
-    # DeepSpeed's passes over the fp32 grads around the step: norm, overflow check, clip,
-    # copy back into the params, all-gather's output
-    b = ZERO_PASSES * p * 4
-    bw = hw.memory_bw if not hw.device_is_host else hw.memory_bw * hw.threads_per_rank(rpn)
-    out.append(Component("backbone ZeRO bookkeeping (memory)", "mem", b, "B", b / bw,
-                         "backbone"))
+    # DeepSpeed's passes over the partition's fp32 grads around its Adam
+    fresh, in_place = ZERO_STEP_BUFFER_PASSES * elems * 4, ZERO_STEP_PASSES * elems * 4
+    out.append(Component("backbone ZeRO bookkeeping (memory)", "mem", fresh + in_place, "B",
+                         hw.alloc_copy_seconds(fresh, rpn) + in_place / bw, "backbone"))
     received = grads * (dp - 1) / dp
     out.append(Component("backbone param all-gather", "net", received, "B",
                          hw.allgather_seconds(received, dp, rpn), "backbone"))
