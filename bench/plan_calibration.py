@@ -2,22 +2,24 @@
 component, side by side.
 
     python bench/plan_calibration.py [--dp 2,4] [--variants device/dense/sharded,...]
-        [--steps 2] [--calibrate] [--clock cpu|wall] [--preset cpu|gpu-1b|tiny]
+        [--steps 3] [--calibrate] [--clock cpu|wall] [--preset cpu|gpu-1b|tiny]
 
 A mid-size STEM model (megatron_stem/planning/calibrate.py: vocab 32k, d 256, d_ff 512,
 8 layers, 4 STEM at 1/2, seq 256, micro-batch 2, fp32) trains on real text (the shipped
 corpus through a 32k BPE model) under torchrun with gloo, at each DP size, each variant
-(placement/update/partition[/overlap]), through the real engine and table optimizer. Each step is timed in parts: forward/backward of the micro-batches,
-the tables' gradient sync, the backbone's ZeRO step, the tables' update. The planner
-(`cpu` profile, measured once and cached; --calibrate re-measures) predicts the same parts
-from the Zipf row model, and again from the row counts the run measured. Target: within
-25% for every major component.
+(placement/update/partition[/overlap]), through the real engine and table optimizer.
+Each step is timed in the parts the planner splits it into (`timed_step`): forward/
+backward, DeepSpeed's gradient reduction, its step, the tables' gradient sync, their Adam
+and the publication of their rows. The planner (`cpu` profile, measured once and cached;
+--calibrate re-measures) predicts the same parts from the Zipf row model, and again from
+the row counts the run measured. Target: within 25% for every major component. Ends with
+the table of bench/README.md.
 
 Clocks: this machine's two cores are shared with other jobs, which inflate wall time at
 random, so on a CPU the parts are compared in each rank's CPU time (all its threads;
-`--clock wall` for an idle machine, and on GPUs, where it is the default) and the cpu
-profile's one-thread figures are CPU time too; the fastest measured step is compared
-(noise only ever slows a step), the slowest rank's.
+`--clock wall` for an idle machine, and on GPUs, where it is the default), and the cpu
+profile's figures are CPU time too, measured with every core running a rank; per part
+the fastest measured step is compared (noise only ever slows a part), the slowest rank's.
 """
 
 import argparse
@@ -342,7 +344,7 @@ def main() -> None:
     print(f"{hw.name} profile: {hw.peak_flops * hw.mfu / 1e9:.1f} GFLOP/s per rank, CPU Adam "
           f"{hw.cpu_adam_rate / 1e9:.2f} G elem/s per core, {hw.cores} cores; load average "
           f"{os.getloadavg()[0]:.1f} at start")
-    worst = 0.0
+    worst, summary = 0.0, []
     with tempfile.TemporaryDirectory() as tmp:
         ids = text_ids(Path(tmp))
         for dp in map(int, args.dp.split(",")):
@@ -375,9 +377,10 @@ def main() -> None:
                       f" Adam elements {m['counted']['adam_elements']:,.0f} (planner "
                       f"{with_rows['adam_elements']:,.0f})")
                 other = "cpu" if args.clock == "wall" else "wall"
-                print(f"  {'part (s)':<14}{'measured':>10}{'predicted':>11}{'ratio':>7}"
+                print(f"  {'part (s)':<16}{'measured':>10}{'predicted':>11}{'ratio':>7}"
                       f"{'w/ rows':>9}{'ratio':>7}   ({args.clock} time; step in {other} "
                       f"time {m['parts'][other]['step']:.3f} s)")
+                cells = {}
                 for part in PARTS:
                     got = parts[part]
                     a, b = zipf[part], with_rows[part]
@@ -392,11 +395,32 @@ def main() -> None:
                         note = "  (minor: under 5% of the step)"
                     else:
                         worst = max(worst, abs(rb - 1))
-                    print(f"  {part:<14}{got:>10.3f}{a:>11.3f}{ra:>7.2f}{b:>9.3f}{rb:>7.2f}"
+                    cells[part] = (got, rb, bool(note))
+                    print(f"  {part:<16}{got:>10.3f}{a:>11.3f}{ra:>7.2f}{b:>9.3f}{rb:>7.2f}"
                           f"{note}")
+                summary.append((f"DP{dp} {variant}", cells))
+    print("\n" + markdown_table(summary))
     print(f"\nworst |predicted/measured - 1| over the major parts (measured rows): "
           f"{worst:.0%}; load average "
           f"{os.getloadavg()[0]:.1f} at end (this machine's 2 cores are shared)")
+
+
+def markdown_table(summary: list[tuple[str, dict]]) -> str:
+    """Per variant and part: measured seconds and predicted / measured (from the measured
+    rows); minor parts in parentheses."""
+    parts = [p for p in PARTS if any(p in cells for _, cells in summary)]
+    lines = ["| variant | " + " | ".join(parts) + " |", "|---" * (len(parts) + 1) + "|"]
+    for name, cells in summary:
+        row = []
+        for part in parts:
+            if part not in cells:
+                row.append("-")
+                continue
+            got, ratio, minor = cells[part]
+            text = f"{got:.3f} s, {ratio:.2f}"
+            row.append(f"({text})" if minor else text)
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
