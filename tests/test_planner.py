@@ -170,7 +170,8 @@ def test_cli_errors_are_one_line(args, message):
 
 def test_cpu_profile_is_read_from_its_cache(tmp_path):
     measured = hardware.Hardware(**{**hardware.PUBLISHED["h200"].__dict__, "name": "cpu",
-                                    "device_is_host": True, "cores": 2})
+                                    "device_is_host": True, "cores": 2,
+                                    "alloc_copy_bw": 2e9})
     hardware.save(measured, tmp_path / "cpu.json")
     assert hardware.load("cpu", cache_dir=tmp_path) == measured
     (tmp_path / "cpu.json").write_text("{}")
