@@ -39,11 +39,6 @@ from megatron_stem.errors import UserError
 
 GB = 1e9
 
-# glibc serves an allocation from fresh mmap'ed pages above its mmap threshold, which
-# rises with the chunks freed up to 32 MiB on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX); below
-# it, freed heap memory is reused.
-FRESH_PAGES_ABOVE = 32 << 20
-
 # Where `cpu` constants are cached, and the h200 refit from bench/gpu/run_all.sh.
 CACHE_DIR = Path.home() / ".cache" / "megatron_stem" / "planner"
 
@@ -149,13 +144,10 @@ class Hardware:
         eff = self.collective_efficiency
         return max(remote / (nic_per_gpu * eff), near / (self.nvlink_bw * eff))
 
-    def alloc_copy_seconds(self, nbytes: float, ranks_per_node: int,
-                           buffer_bytes: float = 0.0) -> float:
-        """One rank's copy of `nbytes` into newly allocated buffers of `buffer_bytes` each
-        (default: one buffer): on the CPU profile, buffers above glibc's mmap threshold
-        are fresh pages (page faults included); smaller ones reuse the heap."""
-        fresh = (buffer_bytes or nbytes) > FRESH_PAGES_ABOVE
-        bw = self.alloc_copy_bw if self.alloc_copy_bw and fresh else self.memory_bw
+    def alloc_copy_seconds(self, nbytes: float, ranks_per_node: int) -> float:
+        """One rank's copy of `nbytes` into newly allocated buffers (the accelerator's
+        memory; on the CPU profile, fresh pages: their page faults included)."""
+        bw = self.alloc_copy_bw or self.memory_bw
         if self.device_is_host:
             bw *= self.threads_per_rank(ranks_per_node)
         return nbytes / bw

@@ -313,8 +313,7 @@ def backbone_components(w: Workload, cluster: Cluster, hw: Hardware) -> list[Com
         fresh = reductions * grads * ZERO_REDUCE_BUFFER_PASSES
         share = reductions * grads / dp
         in_place = reductions * grads * ZERO_REDUCE_PASSES
-        seconds = hw.alloc_copy_seconds(fresh, rpn, grads) + \
-            hw.alloc_copy_seconds(share, rpn, grads / dp) + in_place / bw
+        seconds = hw.alloc_copy_seconds(fresh + share, rpn) + in_place / bw
         out.append(Component("backbone grad buffers (memory)", "mem",
                              fresh + share + in_place, "B", seconds, "backbone"))
     elems = p / dp
@@ -327,8 +326,7 @@ def backbone_components(w: Workload, cluster: Cluster, hw: Hardware) -> list[Com
     # DeepSpeed's passes over the partition's fp32 grads around its Adam
     fresh, in_place = ZERO_STEP_BUFFER_PASSES * elems * 4, ZERO_STEP_PASSES * elems * 4
     out.append(Component("backbone ZeRO bookkeeping (memory)", "mem", fresh + in_place, "B",
-                         hw.alloc_copy_seconds(fresh, rpn, elems * 4) + in_place / bw,
-                         "backbone"))
+                         hw.alloc_copy_seconds(fresh, rpn) + in_place / bw, "backbone"))
     received = grads * (dp - 1) / dp
     out.append(Component("backbone param all-gather", "net", received, "B",
                          hw.allgather_seconds(received, dp, rpn), "backbone"))
