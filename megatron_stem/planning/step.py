@@ -309,13 +309,11 @@ def backbone_components(w: Workload, cluster: Cluster, hw: Hardware) -> list[Com
                      grads * reductions, "B",
                      reductions * _ring_seconds(grads, dp, 2, hw, rpn), "backbone")]
     bw = hw.memory_bw if not hw.device_is_host else hw.memory_bw * hw.threads_per_rank(rpn)
-    if dp > 1:  # one rank: DeepSpeed reduces nothing
-        fresh = reductions * grads * ZERO_REDUCE_BUFFER_PASSES
-        share = reductions * grads / dp
-        in_place = reductions * grads * ZERO_REDUCE_PASSES
-        seconds = hw.alloc_copy_seconds(fresh + share, rpn) + in_place / bw
-        out.append(Component("backbone grad buffers (memory)", "mem",
-                             fresh + share + in_place, "B", seconds, "backbone"))
+    # (on one rank too: DeepSpeed still buckets, flattens and all-reduces over a world of 1)
+    fresh = reductions * grads * (ZERO_REDUCE_BUFFER_PASSES + 1 / dp)
+    in_place = reductions * grads * ZERO_REDUCE_PASSES
+    out.append(Component("backbone grad buffers (memory)", "mem", fresh + in_place, "B",
+                         hw.alloc_copy_seconds(fresh, rpn) + in_place / bw, "backbone"))
     elems = p / dp
     if hw.device_is_host:
         rate = hw.backbone_adam_rate or hw.torch_adam_rate
