@@ -7,8 +7,8 @@ bench compares the trainer's parts in the same clock), at the sizes the calibrat
 moves, best of a few repeats (other jobs only ever slow a run down), slowest process:
 DeepSpeed's CPU Adam kernel and the same update in torch ops (elements/s),
 torch.optim.AdamW (the backbone's optimizer on CPU), a row gather, a copy into a reused
-buffer and a copy into a newly allocated one (buffers above glibc's mmap threshold are
-fresh pages every time: page faults, several times slower), the forward/backward FLOP/s
+buffer and a copy into a newly allocated one (large buffers are fresh pages every
+time: page faults, several times slower), the forward/backward FLOP/s
 of the calibration model, and gloo's all-reduce, all-to-all and all-gather on one rank
 per core (CPU time per byte moved) with the CPU time of a one-element all-reduce.
 
@@ -19,6 +19,7 @@ per core (CPU time per byte moved) with the CPU time of a one-element all-reduce
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import json
 import os
@@ -131,7 +132,7 @@ def _corun(call: str, processes: int) -> list:
     outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError(f"calibration step failed: {call}")
-    return [eval(out.strip().splitlines()[-1]) for out in outs]  # noqa: S307 (our own repr)
+    return [ast.literal_eval(out.strip().splitlines()[-1]) for out in outs]
 
 
 def compute_rate(model_kwargs: dict | None = None, micro_batch: int = MICRO_BATCH,
