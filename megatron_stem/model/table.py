@@ -111,7 +111,7 @@ class StemTable(MegatronModule):
                                    "the trainer's engine (training/engine.py), which stages "
                                    "its rows")
             inverse, rows = self.host.lookup(token_ids, self)
-            return F.embedding(inverse, rows)
+            return F.embedding(inverse, rows, sparse=True)
         return F.embedding(token_ids, self.weight, sparse=self.sparse_grad)
 
     def _apply(self, fn, recurse=True):

@@ -17,9 +17,10 @@ With `tables.placement: host` the tables live in host memory (one copy per node,
    forward with the same ids tensor, so it finds the same staged rows (and so would a
    pipeline schedule that runs forward k+1 before backward k).
 3. A micro-batch's staged rows are, per table, a leaf tensor [unique ids, width] that
-   requires grad; the lookup is `embedding(inverse, rows)`. After backward their grads ARE
-   the row gradients the table optimizer wants: `take_row_grads` sums them per row over the
-   step's micro-batches (rows = sorted unique ids). No sparse tensor, no [V, w] buffer.
+   requires grad; the lookup is `embedding(inverse, rows, sparse=True)`. A backward's
+   gradient of them (one value per position) goes to the table's `RowGradSum`, which sums
+   it per row exactly as device-placed tables' gradients are summed
+   (training/row_grads.py): `take_row_grads` hands out the step's sums. No [V, w] buffer.
 4. Hot rows come from a cache on the accelerator (`RowCache`, LFU with aging): only
    misses are gathered and copied.
 
@@ -40,6 +41,7 @@ k sees an update of step k (gradient accumulation reads one version of the table
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 import time
@@ -51,6 +53,7 @@ import torch
 
 from megatron_stem.hf.remote.row_cache import RowCache
 from megatron_stem.model.host_copy import HostCopy
+from megatron_stem.training.row_grads import RowGradSum, take_same_rows
 
 # Below this many rows per thread a gather is not worth splitting.
 _MIN_ROWS_PER_THREAD = 256
@@ -182,6 +185,7 @@ class HostTableStore:
         if self.cuda:  # the cache was zero-filled on the compute stream; all else is here
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.stats = _Stats()
+        self.row_grads = [RowGradSum(self.width, dtype, self.device) for _ in self.hosts]
         self._entries: list[_Entry] = []
         self._by_key: dict[int, _Entry] = {}
         self._submitted = 0
@@ -212,31 +216,13 @@ class HostTableStore:
         self._submit_through(self.lookahead - 1)
 
     def take_row_grads(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The step's row gradients: sorted unique ids (CPU) and, per table, their summed
-        gradients [rows, width] (fp32, on the device). Releases the staged rows."""
-        staged = [e.staged for e in self._entries if e.staged is not None and e.requires_grad]
+        """The step's row gradients: the sorted ids of the rows backwards reached and, per
+        table, their summed gradients [rows, width] (in the staging dtype; both on the
+        device; training/row_grads.py). Releases the staged rows."""
         self._entries, self._by_key = [], {}
         self._grads_taken = True
         self.stats.add(steps=1)
-        if not staged:
-            return torch.empty(0, dtype=torch.long), [
-                torch.zeros(0, self.width, device=self.device) for _ in self.hosts]
-
-        def grad(s: _Staged, t: int) -> torch.Tensor:
-            g = s.rows[t].grad
-            return torch.zeros(s.ids.numel(), self.width, device=self.device) \
-                if g is None else g.float()
-
-        if len(staged) == 1:
-            return staged[0].ids, [grad(staged[0], t) for t in range(len(self.hosts))]
-        ids = torch.cat([s.ids for s in staged])
-        rows, where = torch.unique(ids, return_inverse=True)
-        where = where.to(self.device)
-        sums = []
-        for t in range(len(self.hosts)):
-            total = torch.zeros(rows.numel(), self.width, device=self.device)
-            sums.append(total.index_add_(0, where, torch.cat([grad(s, t) for s in staged])))
-        return rows, sums
+        return take_same_rows(self.row_grads)
 
     def rows_changed(self, rows: Optional[torch.Tensor]) -> None:
         """The table optimizer has written `rows` (None: every row) of every table, and
@@ -350,7 +336,8 @@ class HostTableStore:
             inverse = where.to(self.device, non_blocking=True)
             if self.cache is None:
                 fetched = self._to_device(ids)
-                rows = [r.requires_grad_(requires_grad) for r in fetched.unbind(0)]
+                rows = [self._leaf(t, r, ids, requires_grad)
+                        for t, r in enumerate(fetched.unbind(0))]
                 return self._done(_Staged(ids, inverse, rows))
             slots = self.cache.slots(ids)
             hit = slots >= 0
@@ -358,14 +345,25 @@ class HostTableStore:
             hit_at, miss_at = (x.nonzero().flatten().to(self.device, non_blocking=True)
                                for x in (hit, ~hit))
             hit_slots = slots[hit].to(self.device, non_blocking=True)
-            rows = [self.cache.assemble(t, hit_at, hit_slots, miss_at, missed)
-                    .requires_grad_(requires_grad) for t, missed in enumerate(fetched.unbind(0))]
+            rows = [self._leaf(t, self.cache.assemble(t, hit_at, hit_slots, miss_at, missed),
+                               ids, requires_grad)
+                    for t, missed in enumerate(fetched.unbind(0))]
             if requires_grad:
                 self.cache.observe(ids)
                 counts = torch.bincount(where.flatten(), minlength=ids.numel())
                 self.stats.add(unique=ids.numel(), hits=int(hit.sum()),
                                tokens=where.numel(), token_hits=int(counts[hit].sum()))
             return self._done(_Staged(ids, inverse, rows))
+
+    def _leaf(self, table: int, rows: torch.Tensor, ids: torch.Tensor,
+              requires_grad: bool) -> torch.Tensor:
+        """Staged `rows` (table rows `ids`) of table `table`, as a leaf whose gradient, if
+        it gets one, goes to the table's `RowGradSum`."""
+        if requires_grad:
+            rows.requires_grad_()
+            rows.register_post_accumulate_grad_hook(
+                functools.partial(self.row_grads[table].hook, row_ids=ids))
+        return rows
 
     def _done(self, staged: _Staged) -> _Staged:
         if self.cuda:

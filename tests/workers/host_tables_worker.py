@@ -71,7 +71,7 @@ def train(kernel: str, update: str, placement: str, partition: str = "replicated
             for i, p in enumerate(params):
                 if store is not None:
                     inverse, rows = store.lookup(mb["tokens"], tables[i])
-                    out = F.embedding(inverse, rows)
+                    out = F.embedding(inverse, rows, sparse=True)
                 else:
                     out = F.embedding(mb["tokens"], p, sparse=True)
                 (out.sin() * (i + 1)).sum().backward()
