@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from conftest import torchrun
 from megatron_stem.config import ParallelConfig, Recipe, TableStorageConfig, from_dict
 from megatron_stem.errors import ConfigError
-from megatron_stem.hf.remote.row_cache import RowCache
+from megatron_stem.model.row_cache import RowCache
 from megatron_stem.training import host_tables
 from megatron_stem.training.host_tables import HostTableStore, gather_rows
 from megatron_stem.training.row_grads import row_grads_of, take_same_rows
@@ -165,6 +165,25 @@ def test_rows_updated_at_step_k_are_seen_at_step_k_plus_1(update, cache_rows, mo
         opt.step(1e-2)
         before, previous = version, torch.unique(torch.cat([mb["tokens"].flatten() for mb in mbs]))
     assert store.take_stats()["prefetch_wait_ms"] > 0
+    store.close()
+
+
+def test_staged_rows_are_found_by_the_storage_of_the_ids():
+    """Micro-batches sliced from one batch tensor share its storage: each finds its own
+    rows. A view or a detached copy of a micro-batch's ids (the model's transpose,
+    activation recompute) finds the same rows; equal ids in another tensor find none."""
+    weight = torch.randn(30, 4)
+    table = HostTable(weight.clone())
+    store = HostTableStore([table], CPU, torch.float32)
+    batch = torch.randint(0, 30, (4, 5), generator=torch.Generator().manual_seed(0))
+    mbs = [{"tokens": batch[:2]}, {"tokens": batch[2:]}]
+    store.stage(mbs, requires_grad=False)
+    for mb in mbs:
+        for ids in (mb["tokens"], mb["tokens"].t(), mb["tokens"].detach()):
+            inverse, rows = store.lookup(ids, table)
+            assert torch.equal(F.embedding(inverse, rows), weight[ids])
+    with pytest.raises(RuntimeError, match="no staged rows for these token ids"):
+        store.lookup(batch[:2].clone(), table)
     store.close()
 
 

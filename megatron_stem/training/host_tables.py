@@ -12,10 +12,12 @@ With `tables.placement: host` the tables live in host memory (one copy per node,
    of micro-batch i; the staging of i+1 starts when the forward of i asks for its rows,
    so exactly one micro-batch is staged ahead (bounded accelerator memory).
 2. A forward's `StemTable` asks for its rows with the token ids it received through the
-   model's id seam (`lookup`). The staged micro-batch is found by the ids tensor's
-   storage, not by a "current micro-batch" pointer: activation recompute replays the
-   forward with the same ids tensor, so it finds the same staged rows (and so would a
-   pipeline schedule that runs forward k+1 before backward k).
+   model's id seam (`lookup`: the store is the table's `RowSource`, model/table.py). The
+   staged micro-batch is found by the ids tensor's storage (the storage object and the
+   offset in it: the same for a view or a detached copy, never a reused address), not by
+   a "current micro-batch" pointer: activation recompute replays the forward with the
+   same ids tensor, so it finds the same staged rows (and so would a pipeline schedule
+   that runs forward k+1 before backward k).
 3. A micro-batch's staged rows are, per table, a leaf tensor [unique ids, width] that
    requires grad; the lookup is `embedding(inverse, rows, sparse=True)`. A backward's
    gradient of them (one value per position) goes to the table's `RowGradSum`, which sums
@@ -51,8 +53,8 @@ from typing import Optional
 
 import torch
 
-from megatron_stem.hf.remote.row_cache import RowCache
 from megatron_stem.model.host_copy import HostCopy
+from megatron_stem.model.row_cache import RowCache
 from megatron_stem.training.row_grads import RowGradSum, take_same_rows
 
 # Below this many rows per thread a gather is not worth splitting.
@@ -100,6 +102,11 @@ class _StagingBuffer:
         return self.data[:numel].view(shape)
 
 
+def _key(tokens: torch.Tensor) -> tuple[torch.UntypedStorage, int]:
+    """What finds a micro-batch's staged rows: its ids' storage and their offset in it."""
+    return tokens.untyped_storage(), tokens.storage_offset()
+
+
 @dataclass
 class _Staged:
     """One micro-batch on the device: its sorted unique ids (CPU), the position of each
@@ -113,7 +120,8 @@ class _Staged:
 
 @dataclass(eq=False)
 class _Entry:
-    tokens: torch.Tensor  # the micro-batch's ids as given to the model (kept alive: its key)
+    tokens: torch.Tensor  # the micro-batch's ids as given to the model (kept alive with
+    # the storage that keys the entry)
     ids: torch.Tensor  # the same on the CPU
     requires_grad: bool
     position: int  # in the step's order
@@ -187,7 +195,7 @@ class HostTableStore:
         self.stats = _Stats()
         self.row_grads = [RowGradSum(self.width, dtype, self.device) for _ in self.hosts]
         self._entries: list[_Entry] = []
-        self._by_key: dict[int, _Entry] = {}
+        self._by_key: dict[tuple, _Entry] = {}
         self._submitted = 0
         self._grads_taken = False
         for m in self.modules:
@@ -206,12 +214,12 @@ class HostTableStore:
         self._entries, self._by_key, self._submitted = [], {}, 0
         for mb in microbatches:
             tokens = mb["tokens"]
-            if tokens.data_ptr() not in self._by_key:  # the same tensor twice: one staging
+            if _key(tokens) not in self._by_key:  # the same tensor twice: one staging
                 # To the CPU here, on the compute stream that produced the ids (the worker's
                 # stream does not wait for it).
                 entry = _Entry(tokens, tokens.to("cpu", torch.long), requires_grad,
                                len(self._entries))
-                self._by_key[tokens.data_ptr()] = entry
+                self._by_key[_key(tokens)] = entry
                 self._entries.append(entry)
         self._submit_through(self.lookahead - 1)
 
@@ -266,8 +274,9 @@ class HostTableStore:
     # -- the model's side -----------------------------------------------------------------
 
     def lookup(self, token_ids: torch.Tensor, module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inverse ids shaped like `token_ids`, staged rows of `module`'s table)."""
-        entry = self._by_key.get(token_ids.data_ptr())
+        """(inverse ids shaped like `token_ids`, staged rows of `module`'s table): the
+        `RowSource` protocol of model/table.py."""
+        entry = self._by_key.get(_key(token_ids))
         if entry is None:
             raise RuntimeError(
                 "host-resident STEM table: no staged rows for these token ids; every "
