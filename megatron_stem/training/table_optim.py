@@ -275,13 +275,15 @@ class TableOptimizer:
             self._sync_replicated()
 
     def _sync_replicated(self) -> None:
-        for t in self.tables:
-            rows, values = _row_grads(t.param).take()
-            self.rank_rows = rows.numel()
-            rows, values = self._average_over_dp(rows, values.float())
-            t.rows, t.grad = rows.cpu(), self._to_state(values)
-        # Every table sees the same ids: the first one's rows are the step's rows.
-        self.touched_rows = self.tables[0].rows.numel() if self.tables else 0
+        self.touched_rows = 0
+        if not self.tables:
+            return
+        rows, grads = self._local_row_grads()  # one row set: every table sees the same ids
+        self.rank_rows = rows.numel()
+        for t, g in zip(self.tables, grads):
+            union, values = self._average_over_dp(rows, g.float())
+            t.rows, t.grad = union.cpu(), self._to_state(values)
+        self.touched_rows = self.tables[0].rows.numel()
 
     def _local_row_grads(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """This rank's touched rows (sorted) and, per table, their summed gradients over
@@ -397,22 +399,27 @@ class TableOptimizer:
         return self.tables[0].param.shape[0]
 
     def grad_norm_sq(self) -> float:
-        """Squared L2 norm of all table grads (after `sync_grads`), summed over TP slices
-        and over the ranks that hold disjoint rows' grads: the shards' owners, or the
-        owners of a shared host copy."""
-        local = torch.tensor(sum(float(t.grad.double().square().sum()) for t in self.tables),
-                             dtype=torch.float64)
-        groups = [self.tp_group]
-        if self.shards is not None and self.shards.size > 1:
-            groups.append(self._dp())
-        elif self.shards is None and self.copy is not None:
-            groups.append(self.copy.group)
-        groups = [g for g in groups if g is not None]
-        if dist.is_initialized() and groups:
-            local = local.to(parallel.device())
-            for group in groups:
-                dist.all_reduce(local, group=group)
-        return float(local)
+        """Squared L2 norm of all table grads (after `sync_grads`), with the same bits for
+        every placement and partition (so is the clip coefficient): each row's sum of
+        squares (float64, summed over its TP slices), gathered from the ranks that hold
+        disjoint rows' grads (the shards' owners, or the owners of a shared host copy) into
+        one vector in row order, which is summed once."""
+        if not self.tables:
+            return 0.0
+        device = parallel.device() if dist.is_initialized() else torch.device("cpu")
+        rows = self.tables[0].rows.to(device)  # every table has the step's one row set
+        squares = torch.stack([t.grad.double().square().sum(1) for t in self.tables], 1) \
+            .to(device)  # [rows, tables]
+        if dist.is_initialized() and self.tp_group is not None:
+            dist.all_reduce(squares, group=self.tp_group)
+        holders = self._dp() if self.shards is not None else \
+            self.copy.group if self.copy is not None else None
+        size = dist.get_world_size(holders) if holders is not None else 1
+        if size > 1:
+            (rows, squares), _ = all_gather_padded([rows, squares], holders, size)
+            rows, squares = torch.cat(rows), torch.cat(squares)
+            squares = squares[torch.argsort(rows)]
+        return float(squares.sum())
 
     # -- update -------------------------------------------------------------------------
 
