@@ -6,9 +6,9 @@ indexed by the position's row (`F.embedding(..., sparse=True)`), on the table it
 training/host_tables.py). Each backward's gradient goes to the table's `RowGradSum`, which
 sums a row's gradients the one way both placements share:
 
-1. per backward (one micro-batch), in token-position order, in fp32 (the CPU embedding
-   backward's own order: `aten.embedding_dense_backward`, which on a GPU is deterministic
-   too);
+1. per backward (one micro-batch), in fp32, by `aten.embedding_dense_backward` (the
+   embedding backward itself: in token-position order on a CPU; on a GPU in its own
+   sort-based order, the same op for both placements);
 2. then the backwards' sums in the order they ran, in fp32;
 3. rounded once to the gradients' dtype (the training dtype: what the rows' owners
    receive, `table_shards.to_owners`).
