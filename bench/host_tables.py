@@ -34,8 +34,8 @@ import torch
 
 from megatron_stem.config import (ModelConfig, OptimizerConfig, ParallelConfig, Recipe,
                                   TableOptimizerConfig, TableStorageConfig, TrainConfig)
-from megatron_stem.hf.remote.row_cache import RowCache
 from megatron_stem.model import build_model
+from megatron_stem.model.row_cache import RowCache
 from megatron_stem.parallel import destroy_distributed, init_distributed
 from megatron_stem.train import train_step
 from megatron_stem.training.engine import build_engine, clip_coefficient

@@ -240,7 +240,11 @@ def test_tables_on_cpu_give_identical_logits_and_stay_on_the_host(megatron, expo
 def test_host_tables_with_a_decode_cache_give_identical_logits(megatron, exported):
     """A cache far smaller than the vocabulary (evictions all along): greedy decoding and
     full-sequence logits are unchanged, decoding is partly served by the cache, and a
-    table edited in place is never read stale from it."""
+    table edited in place is never read stale from it. The export carries the row cache
+    module itself (shared with the trainer, imports only torch), not the package's
+    re-export of it."""
+    bundled = (exported["stem_tp2"] / "row_cache.py").read_text()
+    assert bundled == (ROOT / "megatron_stem/model/row_cache.py").read_text()
     plain = load_hf(exported["stem_tp2"])
     host = load_hf(exported["stem_tp2"], stem_tables_on_cpu=True, stem_table_cache_rows=8)
     prompt, greedy = megatron["prompt"], megatron["stem_tp2"]["greedy"]

@@ -30,6 +30,7 @@ from megatron_stem.hf.safetensors_io import (
     shard_name,
     write_index,
 )
+from megatron_stem.model import row_cache
 from megatron_stem.tokenizer import check_fits
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -119,7 +120,13 @@ def write_model_files(folder: Path, model: ModelConfig, dtype: str,
         (folder / "generation_config.json").write_text(json.dumps(special, indent=2) + "\n")
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in names.REMOTE_FILES:
-        shutil.copyfile(REMOTE_DIR / name, folder / name)
+        shutil.copyfile(_remote_source(name), folder / name)
+
+
+def _remote_source(name: str) -> Path:
+    """The file an export's model-code file `name` is copied from: hf/remote/'s, but the
+    row cache's own module (hf/remote/row_cache.py only re-exports it in the package)."""
+    return Path(row_cache.__file__) if name == "row_cache.py" else REMOTE_DIR / name
 
 
 def _write_weights(reader: CheckpointReader, maps: list[names.TensorMap], folder: Path,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,19 @@ def xavier_normal_table_(weight: torch.Tensor, full_width: int, column_offset: i
     return weight
 
 
+class RowSource(Protocol):
+    """Serves the lookups of host-placed tables (`StemTable.host`): what the model needs of
+    whoever stages their rows on the accelerator (the trainer's `HostTableStore`,
+    training/host_tables.py, which implements it; the model never imports training)."""
+
+    def lookup(self, token_ids: torch.Tensor,
+               table: "StemTable") -> tuple[torch.Tensor, torch.Tensor]:
+        """For one forward's token ids (the micro-batch's ids tensor as staged, or a view of
+        it: recompute replays a forward with the same ids): each id's position among the
+        staged rows, shaped like `token_ids`, and `table`'s staged rows. The rows are a
+        leaf whose row-sparse gradient reaches the table optimizer."""
+
+
 class StemTable(MegatronModule):
     """`U_l[t]` for token ids `t`: returns rows of this TP rank's column slice.
 
@@ -55,8 +68,8 @@ class StemTable(MegatronModule):
     shared by a node's ranks (`model/host_copy.py`, which allocates it after the model is
     built; until then it is on the meta device), never moved or cast with the module, and
     it is the table optimizer's master copy. A forward reads the rows of its micro-batch,
-    staged on the accelerator by the `HostTableStore` set in `self.host`
-    (`training/host_tables.py`); their gradients go to the store's staged rows, not here.
+    staged on the accelerator by the `RowSource` set in `self.host`; their gradients go to
+    the staged rows, not here.
 
     `weight.pending_rows`: while the table optimizer is still writing rows this forward
     may read (`tables.overlap: next_step`, training/table_overlap.py), a callable that
@@ -64,7 +77,7 @@ class StemTable(MegatronModule):
     """
 
     sparse_grad = False
-    host = None  # placement "host": the HostTableStore serving the lookups
+    host: Optional[RowSource] = None  # placement "host": what serves the lookups
 
     def __init__(self, config: TransformerConfig, num_embeddings: int, ffn_hidden_size: int,
                  init_seed: int, tp_group: Optional[torch.distributed.ProcessGroup] = None,
@@ -107,11 +120,10 @@ class StemTable(MegatronModule):
             pending()
         if self.placement == "host":
             if self.host is None:
-                raise RuntimeError("a host-placed STEM table has no HostTableStore: build "
-                                   "the trainer's engine (training/engine.py), which stages "
-                                   "its rows")
+                raise RuntimeError("a host-placed STEM table has no RowSource to stage its "
+                                   "rows: build the trainer's engine (training/engine.py)")
             inverse, rows = self.host.lookup(token_ids, self)
-            return F.embedding(inverse, rows)
+            return F.embedding(inverse, rows, sparse=True)
         return F.embedding(token_ids, self.weight, sparse=self.sparse_grad)
 
     def _apply(self, fn, recurse=True):

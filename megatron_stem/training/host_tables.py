@@ -12,14 +12,17 @@ With `tables.placement: host` the tables live in host memory (one copy per node,
    of micro-batch i; the staging of i+1 starts when the forward of i asks for its rows,
    so exactly one micro-batch is staged ahead (bounded accelerator memory).
 2. A forward's `StemTable` asks for its rows with the token ids it received through the
-   model's id seam (`lookup`). The staged micro-batch is found by the ids tensor's
-   storage, not by a "current micro-batch" pointer: activation recompute replays the
-   forward with the same ids tensor, so it finds the same staged rows (and so would a
-   pipeline schedule that runs forward k+1 before backward k).
+   model's id seam (`lookup`: the store is the table's `RowSource`, model/table.py). The
+   staged micro-batch is found by the ids tensor's storage (the storage object and the
+   offset in it: the same for a view or a detached copy, never a reused address), not by
+   a "current micro-batch" pointer: activation recompute replays the forward with the
+   same ids tensor, so it finds the same staged rows (and so would a pipeline schedule
+   that runs forward k+1 before backward k).
 3. A micro-batch's staged rows are, per table, a leaf tensor [unique ids, width] that
-   requires grad; the lookup is `embedding(inverse, rows)`. After backward their grads ARE
-   the row gradients the table optimizer wants: `take_row_grads` sums them per row over the
-   step's micro-batches (rows = sorted unique ids). No sparse tensor, no [V, w] buffer.
+   requires grad; the lookup is `embedding(inverse, rows, sparse=True)`. A backward's
+   gradient of them (one value per position) goes to the table's `RowGradSum`, which sums
+   it per row exactly as device-placed tables' gradients are summed
+   (training/row_grads.py): `take_row_grads` hands out the step's sums. No [V, w] buffer.
 4. Hot rows come from a cache on the accelerator (`RowCache`, LFU with aging): only
    misses are gathered and copied.
 
@@ -40,6 +43,7 @@ k sees an update of step k (gradient accumulation reads one version of the table
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 import time
@@ -49,8 +53,9 @@ from typing import Optional
 
 import torch
 
-from megatron_stem.hf.remote.row_cache import RowCache
 from megatron_stem.model.host_copy import HostCopy
+from megatron_stem.model.row_cache import RowCache
+from megatron_stem.training.row_grads import RowGradSum, take_same_rows
 
 # Below this many rows per thread a gather is not worth splitting.
 _MIN_ROWS_PER_THREAD = 256
@@ -97,6 +102,11 @@ class _StagingBuffer:
         return self.data[:numel].view(shape)
 
 
+def _key(tokens: torch.Tensor) -> tuple[torch.UntypedStorage, int]:
+    """What finds a micro-batch's staged rows: its ids' storage and their offset in it."""
+    return tokens.untyped_storage(), tokens.storage_offset()
+
+
 @dataclass
 class _Staged:
     """One micro-batch on the device: its sorted unique ids (CPU), the position of each
@@ -110,7 +120,8 @@ class _Staged:
 
 @dataclass(eq=False)
 class _Entry:
-    tokens: torch.Tensor  # the micro-batch's ids as given to the model (kept alive: its key)
+    tokens: torch.Tensor  # the micro-batch's ids as given to the model (kept alive with
+    # the storage that keys the entry)
     ids: torch.Tensor  # the same on the CPU
     requires_grad: bool
     position: int  # in the step's order
@@ -182,8 +193,9 @@ class HostTableStore:
         if self.cuda:  # the cache was zero-filled on the compute stream; all else is here
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.stats = _Stats()
+        self.row_grads = [RowGradSum(self.width, dtype, self.device) for _ in self.hosts]
         self._entries: list[_Entry] = []
-        self._by_key: dict[int, _Entry] = {}
+        self._by_key: dict[tuple, _Entry] = {}
         self._submitted = 0
         self._grads_taken = False
         for m in self.modules:
@@ -202,41 +214,23 @@ class HostTableStore:
         self._entries, self._by_key, self._submitted = [], {}, 0
         for mb in microbatches:
             tokens = mb["tokens"]
-            if tokens.data_ptr() not in self._by_key:  # the same tensor twice: one staging
+            if _key(tokens) not in self._by_key:  # the same tensor twice: one staging
                 # To the CPU here, on the compute stream that produced the ids (the worker's
                 # stream does not wait for it).
                 entry = _Entry(tokens, tokens.to("cpu", torch.long), requires_grad,
                                len(self._entries))
-                self._by_key[tokens.data_ptr()] = entry
+                self._by_key[_key(tokens)] = entry
                 self._entries.append(entry)
         self._submit_through(self.lookahead - 1)
 
     def take_row_grads(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The step's row gradients: sorted unique ids (CPU) and, per table, their summed
-        gradients [rows, width] (fp32, on the device). Releases the staged rows."""
-        staged = [e.staged for e in self._entries if e.staged is not None and e.requires_grad]
+        """The step's row gradients: the sorted ids of the rows backwards reached and, per
+        table, their summed gradients [rows, width] (in the staging dtype; both on the
+        device; training/row_grads.py). Releases the staged rows."""
         self._entries, self._by_key = [], {}
         self._grads_taken = True
         self.stats.add(steps=1)
-        if not staged:
-            return torch.empty(0, dtype=torch.long), [
-                torch.zeros(0, self.width, device=self.device) for _ in self.hosts]
-
-        def grad(s: _Staged, t: int) -> torch.Tensor:
-            g = s.rows[t].grad
-            return torch.zeros(s.ids.numel(), self.width, device=self.device) \
-                if g is None else g.float()
-
-        if len(staged) == 1:
-            return staged[0].ids, [grad(staged[0], t) for t in range(len(self.hosts))]
-        ids = torch.cat([s.ids for s in staged])
-        rows, where = torch.unique(ids, return_inverse=True)
-        where = where.to(self.device)
-        sums = []
-        for t in range(len(self.hosts)):
-            total = torch.zeros(rows.numel(), self.width, device=self.device)
-            sums.append(total.index_add_(0, where, torch.cat([grad(s, t) for s in staged])))
-        return rows, sums
+        return take_same_rows(self.row_grads)
 
     def rows_changed(self, rows: Optional[torch.Tensor]) -> None:
         """The table optimizer has written `rows` (None: every row) of every table, and
@@ -280,8 +274,9 @@ class HostTableStore:
     # -- the model's side -----------------------------------------------------------------
 
     def lookup(self, token_ids: torch.Tensor, module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inverse ids shaped like `token_ids`, staged rows of `module`'s table)."""
-        entry = self._by_key.get(token_ids.data_ptr())
+        """(inverse ids shaped like `token_ids`, staged rows of `module`'s table): the
+        `RowSource` protocol of model/table.py."""
+        entry = self._by_key.get(_key(token_ids))
         if entry is None:
             raise RuntimeError(
                 "host-resident STEM table: no staged rows for these token ids; every "
@@ -350,7 +345,8 @@ class HostTableStore:
             inverse = where.to(self.device, non_blocking=True)
             if self.cache is None:
                 fetched = self._to_device(ids)
-                rows = [r.requires_grad_(requires_grad) for r in fetched.unbind(0)]
+                rows = [self._leaf(t, r, ids, requires_grad)
+                        for t, r in enumerate(fetched.unbind(0))]
                 return self._done(_Staged(ids, inverse, rows))
             slots = self.cache.slots(ids)
             hit = slots >= 0
@@ -358,14 +354,25 @@ class HostTableStore:
             hit_at, miss_at = (x.nonzero().flatten().to(self.device, non_blocking=True)
                                for x in (hit, ~hit))
             hit_slots = slots[hit].to(self.device, non_blocking=True)
-            rows = [self.cache.assemble(t, hit_at, hit_slots, miss_at, missed)
-                    .requires_grad_(requires_grad) for t, missed in enumerate(fetched.unbind(0))]
+            rows = [self._leaf(t, self.cache.assemble(t, hit_at, hit_slots, miss_at, missed),
+                               ids, requires_grad)
+                    for t, missed in enumerate(fetched.unbind(0))]
             if requires_grad:
                 self.cache.observe(ids)
                 counts = torch.bincount(where.flatten(), minlength=ids.numel())
                 self.stats.add(unique=ids.numel(), hits=int(hit.sum()),
                                tokens=where.numel(), token_hits=int(counts[hit].sum()))
             return self._done(_Staged(ids, inverse, rows))
+
+    def _leaf(self, table: int, rows: torch.Tensor, ids: torch.Tensor,
+              requires_grad: bool) -> torch.Tensor:
+        """Staged `rows` (table rows `ids`) of table `table`, as a leaf whose gradient, if
+        it gets one, goes to the table's `RowGradSum`."""
+        if requires_grad:
+            rows.requires_grad_()
+            rows.register_post_accumulate_grad_hook(
+                functools.partial(self.row_grads[table].hook, row_ids=ids))
+        return rows
 
     def _done(self, staged: _Staged) -> _Staged:
         if self.cuda:

@@ -4,7 +4,8 @@ Why outside: DeepSpeed's ZeRO cannot take sparse gradients, and a dense gradient
 tables (21 GB fp32 at 1B) per step would cost more than the whole backbone. So:
 
 * the model's table parameters produce row-sparse gradients (`StemTable.sparse_grad`):
-  only the rows of the micro-batches' token ids;
+  only the rows of the micro-batches' token ids, summed per row the same way for every
+  placement (training/row_grads.py);
 * `sync_grads` averages them over data parallel on the union of the ranks' rows (one
   all-reduce of `rows x width` per table), exactly like the engine averages dense grads;
 * fp32 master weights and Adam moments live in CPU memory; DeepSpeed's CPU Adam kernel
@@ -45,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_stem import parallel
+from megatron_stem.training.row_grads import RowGradSum, row_grads_of, take_same_rows
 from megatron_stem.training.table_overlap import Overlap
 from megatron_stem.training.table_shards import RowShards, TrafficCounters, all_gather_padded
 
@@ -192,6 +194,9 @@ class TableOptimizer:
         self.kernel = AdamKernel(kernel, betas, eps)
         self.step_count = 0
         self.tables = [self._state(name, p) for name, p in tables]
+        if host is None:  # from now on each backward's row gradients are collected
+            for t in self.tables:
+                row_grads_of(t.param)
         self.counters = TrafficCounters()  # what the last step moved (see `stats`)
         self.touched_rows = 0  # distinct rows in the last sync_grads (all DP ranks)
         self.rank_rows = 0  # ... of this rank's micro-batches
@@ -258,7 +263,7 @@ class TableOptimizer:
     # -- gradients ----------------------------------------------------------------------
 
     def sync_grads(self) -> None:
-        """Coalesce each table's row gradients and average them over data parallel: on
+        """Sum each table's row gradients and average them over data parallel: on
         the rows' owners (`sharded`), or on every rank / each copy's owners (`replicated`)."""
         self.finish()
         self.counters.reset()
@@ -270,31 +275,26 @@ class TableOptimizer:
             self._sync_replicated()
 
     def _sync_replicated(self) -> None:
-        for t in self.tables:
-            rows, values = _coalesced_rows(t.param)
-            self.rank_rows = rows.numel()
-            rows, values = self._average_over_dp(rows, values.float())
-            t.rows, t.grad = rows.cpu(), self._to_state(values)
-            t.param.grad = None
-        # Every table sees the same ids: the first one's rows are the step's rows.
-        self.touched_rows = self.tables[0].rows.numel() if self.tables else 0
+        self.touched_rows = 0
+        if not self.tables:
+            return
+        rows, grads = self._local_row_grads()  # one row set: every table sees the same ids
+        self.rank_rows = rows.numel()
+        for t, g in zip(self.tables, grads):
+            union, values = self._average_over_dp(rows, g.float())
+            t.rows, t.grad = union.cpu(), self._to_state(values)
+        self.touched_rows = self.tables[0].rows.numel()
 
     def _local_row_grads(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """This rank's touched rows (sorted) and, per table, their summed gradients over
-        the step's micro-batches (in the training dtype, on the device)."""
+        the step's micro-batches (in the training dtype, on the device; summed as
+        training/row_grads.py says, the same way for both placements)."""
         if self.host is not None:
             rows, grads = self.host.take_row_grads()
             by_param = {id(m.weight): g for m, g in zip(self.host.modules, grads)}
             grads = [by_param[id(t.param)] for t in self.tables]
             return rows.to(grads[0].device), grads
-        coalesced = [_coalesced_rows(t.param) for t in self.tables]
-        for t in self.tables:
-            t.param.grad = None
-        rows = coalesced[0][0]
-        if any(not torch.equal(rows, r) for r, _ in coalesced[1:]):
-            raise RuntimeError("STEM tables were looked up with different token ids in one "
-                               "step; the sharded table path sends one row set for all")
-        return rows, [v for _, v in coalesced]
+        return take_same_rows([_row_grads(t.param) for t in self.tables])
 
     def _sync_to_owners(self) -> None:
         rows, grads = self._local_row_grads()
@@ -360,7 +360,8 @@ class TableOptimizer:
         world = self._dp_world()
         for t in self.tables:
             g = grads[id(t.param)]
-            summed = torch.zeros(union.numel(), g.shape[1], dtype=g.dtype, device=device)
+            # Summed over the ranks in fp32, like `_average_over_dp` (the device path's).
+            summed = torch.zeros(union.numel(), g.shape[1], device=device)
             summed[mine] = g
             chunks = summed.split(counts)
             if self.copy.group is not None:
@@ -373,7 +374,7 @@ class TableOptimizer:
             if self.copy.cross_group is not None:
                 dist.all_reduce(chunk, group=self.copy.cross_group)
                 self.counters.grad_bytes += chunk.numel() * chunk.element_size()
-            t.rows, t.grad = owned.cpu(), self._to_state((chunk / world).float())
+            t.rows, t.grad = owned.cpu(), self._to_state(chunk / world)
         self._step_rows = union.cpu()
         self.touched_rows = union.numel()
 
@@ -398,22 +399,27 @@ class TableOptimizer:
         return self.tables[0].param.shape[0]
 
     def grad_norm_sq(self) -> float:
-        """Squared L2 norm of all table grads (after `sync_grads`), summed over TP slices
-        and over the ranks that hold disjoint rows' grads: the shards' owners, or the
-        owners of a shared host copy."""
-        local = torch.tensor(sum(float(t.grad.double().square().sum()) for t in self.tables),
-                             dtype=torch.float64)
-        groups = [self.tp_group]
-        if self.shards is not None and self.shards.size > 1:
-            groups.append(self._dp())
-        elif self.shards is None and self.copy is not None:
-            groups.append(self.copy.group)
-        groups = [g for g in groups if g is not None]
-        if dist.is_initialized() and groups:
-            local = local.to(parallel.device())
-            for group in groups:
-                dist.all_reduce(local, group=group)
-        return float(local)
+        """Squared L2 norm of all table grads (after `sync_grads`), with the same bits for
+        every placement and partition (so is the clip coefficient): each row's sum of
+        squares (float64, summed over its TP slices), gathered from the ranks that hold
+        disjoint rows' grads (the shards' owners, or the owners of a shared host copy) into
+        one vector in row order, which is summed once."""
+        if not self.tables:
+            return 0.0
+        device = parallel.device() if dist.is_initialized() else torch.device("cpu")
+        rows = self.tables[0].rows.to(device)  # every table has the step's one row set
+        squares = torch.stack([t.grad.double().square().sum(1) for t in self.tables], 1) \
+            .to(device)  # [rows, tables]
+        if dist.is_initialized() and self.tp_group is not None:
+            dist.all_reduce(squares, group=self.tp_group)
+        holders = self._dp() if self.shards is not None else \
+            self.copy.group if self.copy is not None else None
+        size = dist.get_world_size(holders) if holders is not None else 1
+        if size > 1:
+            (rows, squares), _ = all_gather_padded([rows, squares], holders, size)
+            rows, squares = torch.cat(rows), torch.cat(squares)
+            squares = squares[torch.argsort(rows)]
+        return float(squares.sum())
 
     # -- update -------------------------------------------------------------------------
 
@@ -581,14 +587,10 @@ class TableOptimizer:
             self.copy.barrier()
 
 
-def _coalesced_rows(param: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
-    grad = param.grad
-    width = param.shape[1]
-    if grad is None:
-        return (torch.empty(0, dtype=torch.long, device=param.device),
-                torch.empty(0, width, dtype=param.dtype, device=param.device))
-    if not grad.is_sparse:
-        raise RuntimeError(f"table grad is dense: set StemTable.sparse_grad = True "
-                           f"({tuple(param.shape)})")
-    grad = grad.coalesce()
-    return grad.indices()[0], grad.values()
+
+def _row_grads(param: torch.nn.Parameter) -> RowGradSum:
+    """A device-placed table's row gradients of the step, with a sparse gradient set on
+    the parameter directly (not by a backward: benchmarks) counted as one more backward."""
+    row_grads = row_grads_of(param)
+    row_grads.hook(param)
+    return row_grads

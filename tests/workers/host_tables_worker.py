@@ -71,7 +71,7 @@ def train(kernel: str, update: str, placement: str, partition: str = "replicated
             for i, p in enumerate(params):
                 if store is not None:
                     inverse, rows = store.lookup(mb["tokens"], tables[i])
-                    out = F.embedding(inverse, rows)
+                    out = F.embedding(inverse, rows, sparse=True)
                 else:
                     out = F.embedding(mb["tokens"], p, sparse=True)
                 (out.sin() * (i + 1)).sum().backward()
@@ -104,7 +104,6 @@ def main():
                 result.setdefault("copy_sizes", {})[name] = copy.size
             result["max_diff"][f"{update}/{name}"] = max(
                 float((states[k] - reference[k]).abs().max()) for k in states)
-            # The norm is summed per owner, then over owners: another order of additions.
             result.setdefault("norm_rel_diff", {})[f"{update}/{name}"] = float(
                 ((norms - ref_norms).abs() / ref_norms).max())
     # The shared copy really is one memory: a write on rank 1 is read on rank 0.
