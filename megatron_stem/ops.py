@@ -66,6 +66,34 @@ def load_cpu_adam():
     return load(CPUAdamBuilder(), "DeepSpeed CPU Adam")
 
 
+ROW_ADAM_SOURCE = Path(__file__).parent / "csrc" / "row_adam.cpp"
+
+
+def load_row_adam():
+    """The STEM tables' row-indexed CPU Adam (csrc/row_adam.cpp): DeepSpeed's Adam
+    arithmetic, compiled from DeepSpeed's own sources with its flags, on chosen rows in
+    place."""
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    class RowAdamBuilder(CPUAdamBuilder):
+        NAME = "stem_row_adam"
+
+        def __init__(self):
+            super().__init__()
+            self.name = self.NAME
+
+        def absolute_name(self):
+            return f"megatron_stem.ops.{self.NAME}"
+
+        def sources(self):  # includes DeepSpeed's kernel source (its Step_* templates)
+            return [str(ROW_ADAM_SOURCE)]
+
+        def include_paths(self):
+            return [*super().include_paths(), "csrc/adam"]
+
+    return load(RowAdamBuilder(), "the STEM tables' row Adam")
+
+
 def _shm_comm_builder():
     """DeepSpeed's shared-memory collectives, which its CPU backend loads on every start;
     None where the accelerator has none (GPUs)."""
@@ -98,7 +126,7 @@ def start_deepspeed(cpu_adam: bool) -> None:
 
 def build_all() -> list[str]:
     """Build every op a training run may load; the names of those built or found."""
-    built = [load_cpu_adam().__name__]
+    built = [load_cpu_adam().__name__, load_row_adam().__name__]
     builder = _shm_comm_builder()
     if builder is not None:
         built.append(load(builder, "DeepSpeed shared-memory collectives").__name__)

@@ -48,7 +48,12 @@ import torch.distributed as dist
 from megatron_stem import parallel
 from megatron_stem.training.row_grads import RowGradSum, row_grads_of, take_same_rows
 from megatron_stem.training.table_overlap import Overlap
-from megatron_stem.training.table_shards import RowShards, TrafficCounters, all_gather_padded
+from megatron_stem.training.table_shards import (
+    RowShards,
+    TrafficCounters,
+    all_gather_padded,
+    interleaved_order,
+)
 
 _kernel_ids = itertools.count(10_000)  # DeepSpeed keys CPU Adam instances by integer id
 DENSE_CHUNK_BYTES = 64 << 20  # `dense` updates this many bytes of fp32 rows at a time
@@ -77,11 +82,11 @@ class AdamKernel:
 
     def __init__(self, kind: str, betas: tuple[float, float], eps: float):
         self.betas, self.eps = betas, eps
-        self.op = None
+        self.op = self.row_op = None
         if kind == "deepspeed":
-            from megatron_stem.ops import load_cpu_adam
+            from megatron_stem.ops import load_cpu_adam, load_row_adam
 
-            self.op = load_cpu_adam()
+            self.op, self.row_op = load_cpu_adam(), load_row_adam()
             self.id = next(_kernel_ids)
             self.op.create_adam(self.id, 0.0, betas[0], betas[1], eps, 0.0, True, False)
 
@@ -100,6 +105,36 @@ class AdamKernel:
         exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
         denom = (exp_avg_sq.sqrt() / math.sqrt(1 - b2 ** step)).add_(self.eps)
         param.addcdiv_(exp_avg, denom, value=-lr / (1 - b1 ** step))
+
+    def update_rows(self, step: int, lr: float, weight_decay: float, param: torch.Tensor,
+                    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grads: torch.Tensor,
+                    param_rows: torch.Tensor, state_rows: torch.Tensor,
+                    grad_rows: torch.Tensor, out: torch.Tensor | None = None) -> None:
+        """AdamW on rows `param_rows` of `param` with rows `state_rows` of the moments and
+        gradients `grads[grad_rows]` (a row < 0: a zero gradient), in place; the new rows
+        also into `out` (any float dtype: the table's) when given. Per element the
+        arithmetic of `update`.
+
+        DeepSpeed: its arithmetic in a row-indexed op (csrc/row_adam.cpp) that updates the
+        rows where they are. Torch: the rows gathered into contiguous buffers, updated and
+        scattered back, which moves the master and moments twice more than Adam does."""
+        if self.row_op is not None:
+            self.row_op.adam_update_rows(
+                step, lr, *self.betas, self.eps, weight_decay, param, exp_avg, exp_avg_sq,
+                grads, param_rows, state_rows, grad_rows,
+                out if out is not None else torch.empty(0))
+            return
+        p, m, v = (x.index_select(0, r) for x, r in
+                   ((param, param_rows), (exp_avg, state_rows), (exp_avg_sq, state_rows)))
+        g = grads.index_select(0, grad_rows.clamp(min=0))
+        g[grad_rows < 0] = 0
+        if p.numel():
+            self.update(step, lr, weight_decay, p, g, m, v)
+        for dst, rows, src in ((param, param_rows, p), (exp_avg, state_rows, m),
+                               (exp_avg_sq, state_rows, v)):
+            dst.index_copy_(0, rows, src)
+        if out is not None:
+            out.copy_(p)
 
     def _op_update(self, step, lr, weight_decay, tensors: list[torch.Tensor]) -> None:
         """tensors: param, grad, exp_avg, exp_avg_sq (after a step-0 call: see the class)"""
@@ -136,12 +171,16 @@ class TableState:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     # Whether the model's table is a copy of the master that updates must reach (a GPU or
-    # bf16 table); an fp32 CPU table is the master itself (or holds it, sliced).
+    # bf16 table); an fp32 CPU table is the master itself (or holds it, sharded).
     separate: bool
-    offset: int = 0  # the table row of master row 0 (a shard's first row)
-    rows: torch.Tensor | None = None  # after sync_grads: touched rows (sorted, CPU)
-    grad: torch.Tensor | None = None  # after sync_grads: their DP-averaged grads (CPU)
-    dense_grad: torch.Tensor | None = None  # `dense` mode's reusable zero chunk
+    # The master rows of the state's rows (the moments' rows 0, 1, ...): None when they
+    # are the same; a shard's table rows when the master is the whole table.
+    master_rows: torch.Tensor | None = None
+    rows: torch.Tensor | None = None  # after sync_grads: touched state rows (sorted)
+    grad: torch.Tensor | None = None  # after sync_grads: their DP-averaged grads
+
+    def master_index(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows if self.master_rows is None else self.master_rows[rows]
 
 
 def _is_own_master(param: torch.nn.Parameter, state_device: str = "cpu") -> bool:
@@ -218,11 +257,14 @@ class TableOptimizer:
     def _state(self, name: str, param: torch.nn.Parameter) -> TableState:
         own = _is_own_master(param, self.state_device)
         if self.shards is not None:  # this rank's rows only; moments private to it
-            lo, hi = self.shards.lo, self.shards.hi
-            master = param.data[lo:hi] if own \
-                else param.detach()[lo:hi].to(self.state_device, torch.float32).clone()
-            return TableState(name, param, master, torch.zeros_like(master),
-                              torch.zeros_like(master), separate=not own, offset=lo)
+            owned = self.shards.owned.to(param.device)
+            shape = (self.shards.rows, param.shape[1])
+            moments = [torch.zeros(shape, device=self.state_device) for _ in range(2)]
+            if own:  # updated in place in the table
+                return TableState(name, param, param.data, *moments, separate=False,
+                                  master_rows=owned)
+            master = param.detach()[owned].to(self.state_device, torch.float32)
+            return TableState(name, param, master, *moments, separate=True)
         master = param.data if own else param.detach().to("cpu", torch.float32).clone()
         if self.copy is not None:  # moments shared by the copy's ranks, like the table
             return TableState(name, param, master,
@@ -232,8 +274,9 @@ class TableOptimizer:
                           torch.zeros_like(master), separate=not own)
 
     def shard(self) -> tuple[int, int, int, int] | None:
-        """(first row, rows, shards, this shard's index) of the rows whose optimizer state
-        this rank holds (`sharded`), None when it holds whole tables (`replicated`)."""
+        """(first position, rows, shards, this shard's index) of the rows whose optimizer
+        state this rank holds (`sharded`; positions in `interleaved_order`, the order of
+        `state_tensors()`' rows), None when it holds whole tables (`replicated`)."""
         s = self.shards
         return None if s is None else (s.lo, s.rows, s.size, s.rank)
 
@@ -385,10 +428,10 @@ class TableOptimizer:
         return rows * self.copy.size // self._vocab()
 
     def _owned_range(self) -> tuple[int, int]:
-        """`dense`: this rank's contiguous rows [lo, hi): its shard (`sharded`), its part
-        of a shared host copy, or all rows."""
+        """`dense`: the state rows [lo, hi) this rank updates: its shard's (`sharded`),
+        its part of a shared host copy, or all rows."""
         if self.shards is not None:
-            return self.shards.lo, self.shards.hi
+            return 0, self.shards.rows
         vocab = self._vocab()
         if self.copy is None:
             return 0, vocab
@@ -440,10 +483,9 @@ class TableOptimizer:
         for t in self.tables:
             grad = t.grad * clip_coef if clip_coef != 1.0 else t.grad
             if self.update_mode == "dense":
-                self._dense_update(t, grad, lr)
-                self._publish_shard(t)
+                self._publish_shard(t, self._dense_update(t, grad, lr))
             else:
-                self._publish_rows(t, self._lazy_update(t, grad, lr))
+                self._publish_rows(t, t.rows, self._lazy_update(t, grad, lr))
             t.rows = t.grad = None
         if self.host is not None:
             self.copy.barrier()  # every owner has written its rows of the shared copy
@@ -456,48 +498,53 @@ class TableOptimizer:
             return None
         if self.shards is None:
             return self._step_rows
-        return self.shards.all_rows(self.tables[0].rows, self.counters)
+        return self.shards.all_rows(self.shards.table_rows(self.tables[0].rows),
+                                    self.counters)
 
-    def _dense_update(self, t: TableState, grad: torch.Tensor, lr: float) -> None:
-        """AdamW over the owned rows, a chunk of rows at a time: the zero gradient of the
-        untouched rows is a chunk-sized buffer, not a [V, w] one (21 GB fp32 at 1B)."""
+    def _dense_update(self, t: TableState, grad: torch.Tensor,
+                      lr: float) -> torch.Tensor | None:
+        """AdamW over the owned rows, a chunk of rows at a time (untouched rows with a zero
+        gradient, which is no buffer). Returns the owned rows' new values in the table's
+        dtype when a sharded table's holders need them, else None."""
         lo, hi = self._owned_range()
+        values = self._values(t, hi - lo) if self.shards is not None and t.separate else None
         chunk = max(1, DENSE_CHUNK_BYTES // (4 * t.master.shape[1]))
-        if t.dense_grad is None:
-            t.dense_grad = torch.zeros(min(chunk, hi - lo), t.master.shape[1],
-                                       device=t.master.device)
-        bounds = torch.searchsorted(t.rows, torch.arange(lo, hi + chunk, chunk,
-                                                         device=t.rows.device).clamp(max=hi))
-        for start, a, b in zip(range(lo, hi, chunk), bounds[:-1].tolist(), bounds[1:].tolist()):
-            end = min(start + chunk, hi)
-            zeros = t.dense_grad[:end - start]  # leading rows: contiguous, as the kernel needs
-            local = t.rows[a:b] - start
-            zeros.index_copy_(0, local, grad[a:b])
-            m = slice(start - t.offset, end - t.offset)
-            self.kernel.update(self.step_count, lr, self.weight_decay, t.master[m],
-                               zeros, t.exp_avg[m], t.exp_avg_sq[m])
-            zeros.index_fill_(0, local, 0)  # back to all zeros for the next chunk
-        self.counters.adam_elements += (hi - lo) * t.master.shape[1]
+        for start in range(lo, hi, chunk):
+            rows = torch.arange(start, min(start + chunk, hi), device=t.exp_avg.device)
+            self._update_rows(t, rows, self._grad_rows(rows, t.rows), grad, lr,
+                              None if values is None else values[start - lo:start - lo + chunk])
+        return values
 
-    def _lazy_update(self, t: TableState, grad: torch.Tensor, lr: float) -> torch.Tensor:
-        """Adam on the touched rows; returns their new fp32 values."""
-        return self._update_rows(t, t.rows, grad, lr)
+    def _lazy_update(self, t: TableState, grad: torch.Tensor, lr: float):
+        """Adam on the touched rows; returns their new values in the table's dtype (None
+        when the table is the master and nothing else holds it)."""
+        values = self._values(t, t.rows.numel()) if t.separate or self.shards is not None \
+            else None
+        grad_rows = torch.arange(t.rows.numel(), device=t.rows.device)
+        self._update_rows(t, t.rows, grad_rows, grad, lr, values)
+        return values
 
-    def _update_rows(self, t: TableState, rows: torch.Tensor, grad: torch.Tensor,
-                     lr: float) -> torch.Tensor:
-        """Adam on table rows `rows` (sorted, owned) with gradients `grad`; returns their
-        new fp32 values. (Per element the arithmetic of the chunked dense update.)"""
-        rows = rows - t.offset
-        # Gather the rows into contiguous buffers (the kernel needs contiguous memory),
-        # update them, scatter back.
-        param, m, v = (x.index_select(0, rows) for x in (t.master, t.exp_avg, t.exp_avg_sq))
-        if rows.numel():
-            self.kernel.update(self.step_count, lr, self.weight_decay, param,
-                               grad.contiguous(), m, v)
-        for dst, src in ((t.master, param), (t.exp_avg, m), (t.exp_avg_sq, v)):
-            dst.index_copy_(0, rows, src)
-        self.counters.adam_elements += param.numel()
-        return param
+    def _values(self, t: TableState, rows: int) -> torch.Tensor:
+        """A buffer for `rows` updated rows in the table's dtype, where the state is (cast
+        there by the update itself: bf16 rows cross to the accelerator at half the bytes)."""
+        return torch.empty(rows, t.master.shape[1], dtype=t.param.dtype,
+                           device=t.exp_avg.device)
+
+    @staticmethod
+    def _grad_rows(rows: torch.Tensor, touched: torch.Tensor) -> torch.Tensor:
+        """For each of `rows` (sorted), its index in `touched` (sorted), -1 if absent."""
+        if not touched.numel():
+            return torch.full_like(rows, -1)
+        at = torch.searchsorted(touched, rows).clamp(max=touched.numel() - 1)
+        return torch.where(touched[at] == rows, at, -1)
+
+    def _update_rows(self, t: TableState, rows: torch.Tensor, grad_rows: torch.Tensor,
+                     grad: torch.Tensor, lr: float, out: torch.Tensor | None) -> None:
+        """Adam on state rows `rows` with gradients `grad[grad_rows]` (-1: zero), in place;
+        their new values into `out` when given."""
+        self.kernel.update_rows(self.step_count, lr, self.weight_decay, t.master, t.exp_avg,
+                                t.exp_avg_sq, grad, t.master_index(rows), rows, grad_rows, out)
+        self.counters.adam_elements += rows.numel() * t.master.shape[1]
 
     def _launch_overlapped(self, lr: float, clip_coef: float,
                            next_ids: list[torch.Tensor]) -> None:
@@ -506,47 +553,48 @@ class TableOptimizer:
         ids = torch.unique(torch.cat([i.flatten() for i in next_ids]))
         needed = self.shards.needed_by_any(ids.to(parallel.device()), self.counters) \
             .to(self.state_device)
-        owned = torch.arange(self.shards.lo, self.shards.hi, device=self.state_device)
+        owned = torch.arange(self.shards.rows, device=self.state_device)
         first, rest = [], []
         for t in self.tables:
             grad = t.grad * clip_coef if clip_coef != 1.0 else t.grad
             rows = owned if self.update_mode == "dense" else t.rows  # the rows that change
             now = torch.isin(rows, needed)
-            first.append((t.param, self._row_job(t, rows[now], t.rows, grad, lr)))
-            rest.append(self._row_job(t, rows[~now], t.rows, grad, lr))
+            first.append((t.param, self._row_job(t, rows[now], grad, lr)))
+            rest.append(self._row_job(t, rows[~now], grad, lr))
             t.rows = t.grad = None
         self.overlap.launch(first, rest)
 
-    def _row_job(self, t: TableState, rows: torch.Tensor, touched: torch.Tensor,
-                 grad: torch.Tensor, lr: float):
-        """The update of table rows `rows` and their publication, as a job for `Overlap`:
-        gradients of the `touched` rows from `grad`, zero for the others."""
-        at = torch.searchsorted(touched, rows).clamp(max=max(touched.numel() - 1, 0))
-        hit = touched[at] == rows if touched.numel() else torch.zeros_like(rows, dtype=bool)
-        grads = torch.zeros(rows.numel(), t.master.shape[1], device=t.master.device)
-        grads[hit] = grad[at[hit]]
+    def _row_job(self, t: TableState, rows: torch.Tensor, grad: torch.Tensor, lr: float):
+        """The update of state rows `rows` and their publication, as a job for `Overlap`:
+        gradients of the touched rows (`t.rows`) from `grad`, zero for the others."""
+        grad_rows = self._grad_rows(rows, t.rows)
 
         def job(group):
-            values = self._update_rows(t, rows, grads, lr)
-            self.shards.gather_rows(t.param.data, rows, values, group, self.counters)
+            values = self._values(t, rows.numel())
+            self._update_rows(t, rows, grad_rows, grad, lr, values)
+            self.shards.gather_rows(t.param.data, self.shards.table_rows(rows), values, group,
+                                    self.counters)
         return job
 
-    def _publish_shard(self, t: TableState) -> None:
-        """`dense`: the updated rows to every holder of the table (module docstring)."""
+    def _publish_shard(self, t: TableState, values: torch.Tensor | None) -> None:
+        """`dense`: the updated rows to every holder of the table (module docstring);
+        `values`: the shard's rows in the table's dtype (None: the table has them)."""
         if self.shards is None:  # replicated: this rank's master has every row
             if t.separate:
                 t.param.data.copy_(t.master, non_blocking=True)
             return
-        self.shards.gather_shards(t.param.data, t.master, self._holders(), self.counters)
+        self.shards.gather_shards(t.param.data, values, self._holders(), self.counters)
 
-    def _publish_rows(self, t: TableState, values: torch.Tensor) -> None:
-        """`lazy`: like `_publish_shard` for the updated rows only."""
+    def _publish_rows(self, t: TableState, rows: torch.Tensor,
+                      values: torch.Tensor | None) -> None:
+        """`lazy`: like `_publish_shard` for the updated (state) `rows` only."""
         if self.shards is None:
             if t.separate:
-                t.param.data.index_copy_(0, t.rows.to(t.param.device),
-                                         values.to(t.param.device, t.param.dtype))
+                t.param.data.index_copy_(0, rows.to(t.param.device),
+                                         values.to(t.param.device))
             return
-        self.shards.gather_rows(t.param.data, t.rows, values, self._holders(), self.counters)
+        self.shards.gather_rows(t.param.data, self.shards.table_rows(rows), values,
+                                self._holders(), self.counters)
 
     def _holders(self):
         """The group whose ranks' tables need this rank's updated rows (`sharded`): every
@@ -562,11 +610,25 @@ class TableOptimizer:
     # -- checkpoint ---------------------------------------------------------------------
 
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """{table name: {"fp32_param", "exp_avg", "exp_avg_sq"}}, this rank's slices (its
-        shard's rows under `sharded`, see `shard()`)."""
+        """{table name: {"fp32_param", "exp_avg", "exp_avg_sq"}}: this rank's rows of the
+        states (its shard's under `sharded`, see `shard()`) in the checkpoint's row order,
+        `interleaved_order` (training/table_shards.py): the live tensors where they are in
+        that order already, copies where not (a shard's rows of a table that is its own
+        master, and `replicated`'s whole tables, kept in row id order)."""
         self.finish()
-        return {t.name: {"fp32_param": t.master, "exp_avg": t.exp_avg,
-                         "exp_avg_sq": t.exp_avg_sq} for t in self.tables}
+        return {t.name: {key: live if rows is None else live[rows]
+                         for key, (live, rows) in self._checkpoint_rows(t).items()}
+                for t in self.tables}
+
+    def _checkpoint_rows(self, t: TableState):
+        """{state: (live tensor, its rows in checkpoint order, None: all of them)}"""
+        if self.shards is not None:
+            return {"fp32_param": (t.master, t.master_rows), "exp_avg": (t.exp_avg, None),
+                    "exp_avg_sq": (t.exp_avg_sq, None)}
+        order = interleaved_order(self._vocab())
+        return {key: (live, order.to(live.device)) for key, live in
+                (("fp32_param", t.master), ("exp_avg", t.exp_avg),
+                 ("exp_avg_sq", t.exp_avg_sq))}
 
     def load_state_tensors(self, states: dict[str, dict[str, torch.Tensor]], step: int) -> None:
         """Take the optimizer state of a checkpoint (`states` shaped like
@@ -579,10 +641,13 @@ class TableOptimizer:
         writer = self.shards is not None or self.copy is None or self.copy.index == 0
         for t in self.tables:
             if writer:
-                for key, live in self.state_tensors()[t.name].items():
-                    if states[t.name][key].data_ptr() != live.data_ptr():
-                        live.copy_(states[t.name][key])
-            self._publish_shard(t)
+                for key, (live, rows) in self._checkpoint_rows(t).items():
+                    loaded = states[t.name][key]
+                    if rows is not None:
+                        live.index_copy_(0, rows, loaded.to(live.device))
+                    elif loaded.data_ptr() != live.data_ptr():
+                        live.copy_(loaded)
+            self._publish_shard(t, t.master if t.separate else None)
         if self.copy is not None:
             self.copy.barrier()
 

@@ -18,6 +18,7 @@ from megatron_stem.config import ParallelConfig
 from megatron_stem.parallel import destroy_distributed, init_distributed
 from megatron_stem.planning import traffic
 from megatron_stem.training.table_optim import TableOptimizer
+from megatron_stem.training.table_shards import interleaved_order
 
 VOCAB, WIDTH, TABLES = 64, 8, 2
 # (`next_step`'s two padded gathers are modelled from one longest owner, not per phase.)
@@ -33,11 +34,12 @@ def measured_counts(ids: torch.Tensor) -> traffic.RowCounts:
     mine = set(everyone[rank])
     union = set().union(*map(set, everyone))
     per = VOCAB // world
-    owned = [{r for r in union if r // per == k} for k in range(world)]
+    shard = {int(r): k // per for k, r in enumerate(interleaved_order(VOCAB))}  # row -> owner
+    owned = [{r for r in union if shard[r] == k} for k in range(world)]
     return traffic.RowCounts(
         rank_rows=len(mine), union_rows=len(union), owned_rows=len(owned[rank]),
         microbatch_rows=len(mine), longest_rank_rows=max(len(e) for e in everyone),
-        self_rows=sum(1 for r in mine if r // per == rank),
+        self_rows=sum(1 for r in mine if shard[r] == rank),
         longest_owned_rows=max(len(o) for o in owned))
 
 
