@@ -71,3 +71,30 @@ def test_an_element_gets_the_same_bits_however_the_tensor_is_sliced():
             for part in (slice(0, cut), slice(cut, n)):
                 _update(kernel, step, [t[part] for t in sliced], grads[step - 1][part])
         assert all(torch.equal(a, b) for a, b in zip(whole, sliced)), cut
+
+
+def test_the_row_op_gives_the_flat_ops_bits_in_place():
+    """The row-indexed op (csrc/row_adam.cpp) updates chosen rows where they are, with
+    the bits DeepSpeed's flat op gives the same rows packed, also past the last SIMD vector
+    (widths that are not a multiple of it); zero-gradient rows (-1) and untouched rows."""
+    kernel = _kernel()
+    g = torch.Generator().manual_seed(6)
+    for width in (40, 200, 256):
+        table = torch.randn(30, width, generator=g)
+        moments = [torch.rand(30, width, generator=g) * 1e-2 for _ in range(2)]
+        grads = torch.randn(4, width, generator=g)
+        rows, grad_rows = torch.tensor([2, 5, 17, 29, 11]), torch.tensor([0, 1, -1, 3, 2])
+        for step in (1, 2, 9):
+            packed = [t.index_select(0, rows) for t in (table, *moments)]
+            flat_grads = torch.where(grad_rows[:, None] < 0, 0.0, grads[grad_rows.clamp(min=0)])
+            kernel.update(step, 1e-3, 0.1, packed[0], flat_grads, *packed[1:])
+            before = [t.clone() for t in (table, *moments)]
+            out = torch.empty(rows.numel(), width, dtype=torch.bfloat16)
+            kernel.update_rows(step, 1e-3, 0.1, table, *moments, grads, rows, rows, grad_rows,
+                               out)
+            untouched = torch.ones(30, dtype=torch.bool)
+            untouched[rows] = False
+            for now, was, expected in zip((table, *moments), before, packed):
+                assert torch.equal(now[rows], expected), (width, step)
+                assert torch.equal(now[untouched], was[untouched])
+            assert torch.equal(out, packed[0].bfloat16())

@@ -123,3 +123,19 @@ def test_device_placement_that_cannot_fit_the_node_is_refused_before_allocating(
     monkeypatch.setenv("SLURM_PROCID", "3")
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "4(x2)")
     assert local_world_size() == 4
+
+
+def test_interleaved_shards_balance_the_frequent_rows():
+    """Shards own an interleaved sample of the vocabulary: the most frequent ids of a BPE
+    vocabulary (its lowest) split evenly over any number of ranks, and the order is a
+    permutation that does not depend on that number (checkpoints reshard)."""
+    from megatron_stem.training.table_shards import interleaved_order
+
+    for vocab in (32000, 128256):
+        order = interleaved_order(vocab)
+        assert torch.equal(order.sort().values, torch.arange(vocab))
+        for ranks in (2, 4, 8, 32):
+            if vocab % ranks:
+                continue
+            low = (order.view(ranks, -1) < vocab // 20).sum(1)  # the 5% lowest ids
+            assert low.max() - low.min() <= 0.05 * low.float().mean() + 2, (vocab, ranks)

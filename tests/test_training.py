@@ -303,6 +303,20 @@ def test_sharded_state_at_dp4_across_a_resume_matches_the_replicated_reference(
     else:  # the shard's rows touched by any rank
         assert 0 < min(adam) and max(adam) < elements / 4
 
+def test_a_replicated_checkpoint_resumes_sharded_on_two_ranks(train, tmp_path):
+    """Checkpoints keep the table states in one row order (the shards' interleaved order)
+    whatever the partition and the data-parallel size: a run saved with the whole state on
+    one rank resumes with it sharded over two, on the uninterrupted curve."""
+    options = ["optimizer.tables.update=lazy", "train.steps=20", "train.eval_interval=20"]
+    reference = train(1, *options, "tables.partition=replicated", name="whole20")
+    first = train(1, *options, "tables.partition=replicated", save_dir=tmp_path,
+                  preempt_at=10, name="whole_first")
+    second = train(2, *options, "tables.partition=sharded", save_dir=tmp_path,
+                   name="sharded_resumed")
+    assert first["step"] == 10 and second["step"] == 20
+    assert_same_curve(first["losses"] + second["losses"], reference["losses"], rel=1e-6)
+
+
 @pytest.mark.parametrize("update", ["dense", "lazy"])
 def test_update_overlapped_with_the_next_step_gives_the_same_curve(train, update):
     """`tables.overlap: next_step` updates the rows the next step reads first and the rest

@@ -8,8 +8,10 @@ tables (21 GB fp32 at 1B) per step would cost more than the whole backbone. So:
   placement (training/row_grads.py);
 * `sync_grads` averages them over data parallel on the union of the ranks' rows (one
   all-reduce of `rows x width` per table), exactly like the engine averages dense grads;
-* fp32 master weights and Adam moments live in CPU memory; DeepSpeed's CPU Adam kernel
-  updates them and the changed rows are copied back into the model's table.
+* fp32 master weights and Adam moments live in CPU memory; DeepSpeed's CPU Adam
+  arithmetic updates the touched rows where they are (`AdamKernel.update_rows`, a
+  row-indexed op built from DeepSpeed's kernel source) and the changed rows, cast to the
+  table's dtype by the same pass, are copied back into the model's table.
 
 Host-resident tables (`tables.placement: host`, training/host_tables.py): the host table
 IS the fp32 master (one copy per node, shared by the node's ranks, with its Adam moments).
@@ -21,14 +23,15 @@ sharers: a reduce-scatter, in collectives gloo has too; then an all-reduce of th
 rows among the owners of the same rows on other copies); the owner updates the shared
 copy, so nothing is broadcast and no CPU work or memory is duplicated per GPU.
 
-Partition (`TableOptimConfig.partition`): with `sharded` (the default) each data-parallel
-rank owns a contiguous 1/n of the rows of every table: their fp32 master, Adam moments and
-update live on that rank only, gradients travel to the owners and updated rows back to
-every holder (training/table_shards.py). `replicated` is the path described above: every
-rank (device placement) or every node's copy (host placement) keeps and updates the whole
-table's state; it is the reference the sharded path is tested against.
+Partition (`tables.partition`): with `sharded` (the default) each data-parallel rank owns
+1/n of the rows of every table (an interleaved sample of the vocabulary, so every rank
+gets its share of the frequent ids): their fp32 master, Adam moments and update live on
+that rank only, gradients travel to the owners and updated rows back to every holder
+(training/table_shards.py). `replicated` is the path described above: every rank (device
+placement) or every node's copy (host placement) keeps and updates the whole table's
+state; it is the reference the sharded path is tested against.
 
-Update semantics (`TableOptimConfig.update`):
+Update semantics (`optimizer.tables.update`):
 * `dense`: AdamW on every row every step, untouched rows with a zero gradient (the
   paper's reference code): momentum and weight decay keep moving unseen rows.
 * `lazy`: Adam on the touched rows only (torch `SparseAdam` semantics: a row's moments
