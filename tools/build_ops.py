@@ -2,8 +2,8 @@
 
     python tools/build_ops.py
 
-Compiles what training loads (CPU Adam; on CPU also DeepSpeed's shared-memory
-collectives), a minute or two each, into the folder every run of this environment then
+Compiles what training loads (DeepSpeed's CPU Adam, the tables' row Adam built from its
+source; on CPU also DeepSpeed's shared-memory collectives), a minute or two each, into the folder every run of this environment then
 loads them from (see megatron_stem/ops.py). Run it once after `pip install`; a second run
 finds them built and returns at once.
 """

@@ -34,10 +34,9 @@ stamp() { echo "[run_all] $(( SECONDS - start )) s: $*"; }
 
 # DeepSpeed's CPU Adam JIT-builds on first use (about a minute); without it the tables
 # run the torch kernel and the profile keeps the torch rate for both.
-stamp "building DeepSpeed cpu_adam"
+stamp "building DeepSpeed cpu_adam and the tables' row Adam"
 KERNEL=deepspeed
-timeout 240 "$PY" -c "from megatron_stem.training.engine import set_extensions_cache as s; s()
-from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
+timeout 300 "$PY" -c "from megatron_stem import ops; ops.load_cpu_adam(); ops.load_row_adam()" \
     > "$OUT/cpu_adam_build.log" 2>&1 || { KERNEL=torch; stamp "cpu_adam unavailable: torch kernel"; }
 
 stamp "refitting the h200 profile"

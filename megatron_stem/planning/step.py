@@ -166,8 +166,8 @@ class Workload:
     shape: TableShape
     rows: RowCounts
     # The busiest owner's received rows over the mean in the grads-to-owners all-to-all:
-    # 1 when rows are dealt to owners round-robin (row % DP); contiguous ranges of a
-    # frequency-ordered BPE vocabulary give the first owner ~3x (docs/tables.md).
+    # 1 with the shards' interleaved rows (training/table_shards.py); contiguous ranges of
+    # a frequency-ordered BPE vocabulary would give the first owner ~3x (docs/tables.md).
     owner_skew: float = 1.0
 
     @property
@@ -378,8 +378,9 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
     elems = traffic.adam_elements(s, lay, c)
     if lay.optimizer == "cpu":
         add("CPU Adam", "cpu", elems, "elem", hw.cpu_adam_seconds(elems, rpn, w.kernel))
-        if lay.update == "lazy" or lay.overlap == "next_step":
+        if w.kernel == "torch" and (lay.update == "lazy" or lay.overlap == "next_step"):
             # index_select of master and moments into contiguous buffers, index_copy back
+            # (DeepSpeed's arithmetic runs on the rows in place: AdamKernel.update_rows)
             b = elems * 3 * traffic.FP32 * 2
             add("row gather/scatter of the state (CPU)", "cpu", b, "B",
                 b / hw.node_share(hw.gather_bw, rpn))

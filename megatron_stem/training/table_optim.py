@@ -85,13 +85,23 @@ class AdamKernel:
 
     def __init__(self, kind: str, betas: tuple[float, float], eps: float):
         self.betas, self.eps = betas, eps
-        self.op = self.row_op = None
+        self.kind = kind
+        self.row_op = self._op = None
         if kind == "deepspeed":
-            from megatron_stem.ops import load_cpu_adam, load_row_adam
+            from megatron_stem.ops import load_row_adam
 
-            self.op, self.row_op = load_cpu_adam(), load_row_adam()
-            self.id = next(_kernel_ids)
-            self.op.create_adam(self.id, 0.0, betas[0], betas[1], eps, 0.0, True, False)
+            self.row_op = load_row_adam()
+
+    @property
+    def op(self):
+        """DeepSpeed's flat CPU Adam op, loaded (built) on first use: the tables' updates
+        go through `update_rows`; `update` is the flat reference it is tested against."""
+        if self._op is None and self.kind == "deepspeed":
+            from megatron_stem.ops import load_cpu_adam
+
+            self._op, self.id = load_cpu_adam(), next(_kernel_ids)
+            self._op.create_adam(self.id, 0.0, *self.betas, self.eps, 0.0, True, False)
+        return self._op
 
     def update(self, step: int, lr: float, weight_decay: float, param: torch.Tensor,
                grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
