@@ -76,14 +76,18 @@ def test_an_element_gets_the_same_bits_however_the_tensor_is_sliced():
 def test_the_row_op_gives_the_flat_ops_bits_in_place():
     """The row-indexed op (csrc/row_adam.cpp) updates chosen rows where they are, with
     the bits DeepSpeed's flat op gives the same rows packed, also past the last SIMD vector
-    (widths that are not a multiple of it); zero-gradient rows (-1) and untouched rows."""
+    (widths that are not a multiple of it), in spans of rows or one by one; zero-gradient
+    rows (-1) and untouched rows."""
     kernel = _kernel()
     g = torch.Generator().manual_seed(6)
     for width in (40, 200, 256):
         table = torch.randn(30, width, generator=g)
         moments = [torch.rand(30, width, generator=g) * 1e-2 for _ in range(2)]
         grads = torch.randn(4, width, generator=g)
-        rows, grad_rows = torch.tensor([2, 5, 17, 29, 11]), torch.tensor([0, 1, -1, 3, 2])
+        # Runs of consecutive rows (5-7 with gradients 1-2 then none, 17-18, 20-21 with
+        # none) go to the kernel as one span; the others one row at a time.
+        rows = torch.tensor([2, 5, 6, 7, 17, 18, 20, 21, 29, 11])
+        grad_rows = torch.tensor([0, 1, 2, -1, 2, 3, -1, -1, 3, 2])
         for step in (1, 2, 9):
             packed = [t.index_select(0, rows) for t in (table, *moments)]
             flat_grads = torch.where(grad_rows[:, None] < 0, 0.0, grads[grad_rows.clamp(min=0)])

@@ -22,6 +22,7 @@
 namespace {
 
 constexpr int64_t kVector = 64;  // a multiple of every SIMD width DeepSpeed builds for
+constexpr int64_t kSpan = 64;    // rows per kernel call at most
 
 void check_rows(const torch::Tensor& t, const char* name, int64_t width)
 {
@@ -81,7 +82,6 @@ void adam_update_rows(int64_t step,
     opt.IncrementStep(step, beta1, beta2);
     opt.update_state(lr, eps, weight_decay, /*bias_correction=*/true);
 
-    const int64_t body = width - width % kVector, tail = width - body;
     const int64_t* prow = param_rows.data_ptr<int64_t>();
     const int64_t* srow = state_rows.data_ptr<int64_t>();
     const int64_t* grow = grad_rows.data_ptr<int64_t>();
@@ -97,16 +97,26 @@ void adam_update_rows(int64_t step,
                         grow[k] < grows,
                     "row ids out of range at ", k);
     }
-    const std::vector<float> zeros(width, 0.0f);
+    // Runs of rows that follow each other in all three tensors (a `dense` update's owned
+    // rows, zero-gradient stretches) go to the kernel as one span: a call per row would
+    // cost more than the row's arithmetic at small widths.
+    const bool packed = ps == width && ms == width && vs == width && gs == width;
+    const std::vector<float> zeros(kSpan * width, 0.0f);
 
     at::parallel_for(0, count, std::max<int64_t>(1, 16384 / width), [&](int64_t lo, int64_t hi) {
         float pad[4][kVector];
-        for (int64_t k = lo; k < hi; ++k) {
+        for (int64_t k = lo, n = 1; k < hi; k += n) {
+            n = 1;
+            while (packed && k + n < hi && n < kSpan && prow[k + n] == prow[k] + n &&
+                   srow[k + n] == srow[k] + n &&
+                   (grow[k] < 0 ? grow[k + n] < 0 : grow[k + n] == grow[k] + n))
+                ++n;
             float* pk = p + prow[k] * ps;
             float* mk = m + srow[k] * ms;
             float* vk = v + srow[k] * vs;
             // DeepSpeed's kernel takes a mutable gradient pointer but only reads it.
             float* gk = const_cast<float*>(grow[k] < 0 ? zeros.data() : g + grow[k] * gs);
+            const int64_t size = n * width, body = size - size % kVector, tail = size - body;
             if (body) opt.Step_8(pk, gk, mk, vk, body, /*parallel=*/false);
             if (tail) {
                 std::memset(pad, 0, sizeof(pad));
@@ -116,10 +126,13 @@ void adam_update_rows(int64_t step,
                 for (int i : {0, 2, 3}) std::memcpy(rows[i], pad[i], tail * sizeof(float));
             }
             if (!write_out) continue;
-            if (out.scalar_type() == torch::kFloat32)
-                copy_row(out.data_ptr<float>() + k * width, pk, width);
-            else
-                copy_row(out.data_ptr<c10::BFloat16>() + k * width, pk, width);
+            for (int64_t r = 0; r < n; ++r) {
+                const float* row = pk + r * ps;
+                if (out.scalar_type() == torch::kFloat32)
+                    copy_row(out.data_ptr<float>() + (k + r) * width, row, width);
+                else
+                    copy_row(out.data_ptr<c10::BFloat16>() + (k + r) * width, row, width);
+            }
         }
     });
 }

@@ -191,6 +191,7 @@ class TableState:
     master_rows: torch.Tensor | None = None
     rows: torch.Tensor | None = None  # after sync_grads: touched state rows (sorted)
     grad: torch.Tensor | None = None  # after sync_grads: their DP-averaged grads
+    values: torch.Tensor | None = None  # updated rows in the table's dtype (`_values`)
 
     def master_index(self, rows: torch.Tensor) -> torch.Tensor:
         return rows if self.master_rows is None else self.master_rows[rows]
@@ -537,11 +538,18 @@ class TableOptimizer:
         self._update_rows(t, t.rows, grad_rows, grad, lr, values)
         return values
 
-    def _values(self, t: TableState, rows: int) -> torch.Tensor:
-        """A buffer for `rows` updated rows in the table's dtype, where the state is (cast
-        there by the update itself: bf16 rows cross to the accelerator at half the bytes)."""
-        return torch.empty(rows, t.master.shape[1], dtype=t.param.dtype,
-                           device=t.exp_avg.device)
+    def _values(self, t: TableState, rows: int, start: int = 0) -> torch.Tensor:
+        """Rows [start, start + rows) of the table's buffer for updated rows, in the table's
+        dtype, where the state is (written by the update itself: bf16 rows cross to the
+        accelerator at half the bytes). One buffer per table for the run: a fresh one per
+        step would fault in new pages at every step, and on a GPU node it is pinned, so the
+        copy to the accelerator is one DMA. (Reused only after `finish`: by then every copy
+        out of it has been read.)"""
+        if t.values is None:
+            device = t.exp_avg.device
+            t.values = torch.empty(t.exp_avg.shape, dtype=t.param.dtype, device=device,
+                                   pin_memory=device.type == "cpu" and t.param.is_cuda)
+        return t.values[start:start + rows]
 
     @staticmethod
     def _grad_rows(rows: torch.Tensor, touched: torch.Tensor) -> torch.Tensor:
@@ -572,18 +580,20 @@ class TableOptimizer:
             grad = t.grad * clip_coef if clip_coef != 1.0 else t.grad
             rows = owned if self.update_mode == "dense" else t.rows  # the rows that change
             now = torch.isin(rows, needed)
-            first.append((t.param, self._row_job(t, rows[now], grad, lr)))
-            rest.append(self._row_job(t, rows[~now], grad, lr))
+            first.append((t.param, self._row_job(t, rows[now], grad, lr, 0)))
+            rest.append(self._row_job(t, rows[~now], grad, lr, int(now.sum())))
             t.rows = t.grad = None
         self.overlap.launch(first, rest)
 
-    def _row_job(self, t: TableState, rows: torch.Tensor, grad: torch.Tensor, lr: float):
+    def _row_job(self, t: TableState, rows: torch.Tensor, grad: torch.Tensor, lr: float,
+                 start: int):
         """The update of state rows `rows` and their publication, as a job for `Overlap`:
-        gradients of the touched rows (`t.rows`) from `grad`, zero for the others."""
+        gradients of the touched rows (`t.rows`) from `grad`, zero for the others; their
+        new values in rows [start, ...) of the table's buffer."""
         grad_rows = self._grad_rows(rows, t.rows)
 
         def job(group):
-            values = self._values(t, rows.numel())
+            values = self._values(t, rows.numel(), start)
             self._update_rows(t, rows, grad_rows, grad, lr, values)
             self.shards.gather_rows(t.param.data, self.shards.table_rows(rows), values, group,
                                     self.counters)
