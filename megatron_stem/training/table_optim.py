@@ -464,7 +464,10 @@ class TableOptimizer:
         if not self.tables:
             return 0.0
         device = parallel.device() if dist.is_initialized() else torch.device("cpu")
-        rows = self.tables[0].rows.to(device)  # every table has the step's one row set
+        rows = self.tables[0].rows  # every table has the step's one row set
+        if self.shards is not None:  # a shard's local rows: as table rows
+            rows = self.shards.table_rows(rows)
+        rows = rows.to(device)
         squares = torch.stack([t.grad.double().square().sum(1) for t in self.tables], 1) \
             .to(device)  # [rows, tables]
         if dist.is_initialized() and self.tp_group is not None:
