@@ -265,7 +265,8 @@ def text_ids(tmp: Path) -> Path:
 
 # The planner's components of the tables' update that publish the updated rows to the
 # other ranks' tables (the rest of the update phase is the Adam itself).
-PUBLISH = ("all-gather updated rows", "cast updated rows", "H2D updated rows")
+PUBLISH = ("all-gather updated rows", "cast updated rows", "H2D updated rows",
+           "place gathered rows")
 
 
 def predict(variant: str, dp: int, args, hw, rows: dict | None):
