@@ -138,9 +138,10 @@ def test_dp2_killed_and_resumed_is_bit_exact(train, tmp_path, kernel, update, of
         assert written.keys() == {"0", "1"} and min(written.values()) > 0.3 * max(written.values())
 
 
+# Each kernel, each update mode and each partition at least once (the suite's time: the
+# full 2 x 2 x 2 adds three minutes and no path).
 @pytest.mark.parametrize("kernel, update, partition", [
-    ("torch", "lazy", "sharded"), ("torch", "dense", "sharded"),
-    ("deepspeed", "lazy", "sharded"), ("deepspeed", "dense", "sharded"),
+    ("torch", "lazy", "sharded"), ("deepspeed", "dense", "sharded"),
     ("deepspeed", "lazy", "replicated")])
 def test_host_tables_match_device_tables_bit_for_bit(train, kernel, update, partition):
     """Both placements sum a row's gradients the same way (training/row_grads.py), compute
@@ -307,13 +308,13 @@ def test_a_replicated_checkpoint_resumes_sharded_on_two_ranks(train, tmp_path):
     """Checkpoints keep the table states in one row order (the shards' interleaved order)
     whatever the partition and the data-parallel size: a run saved with the whole state on
     one rank resumes with it sharded over two, on the uninterrupted curve."""
-    options = ["optimizer.tables.update=lazy", "train.steps=20", "train.eval_interval=20"]
-    reference = train(1, *options, "tables.partition=replicated", name="whole20")
+    options = ["optimizer.tables.update=lazy", "train.steps=12", "train.eval_interval=12"]
+    reference = train(1, *options, "tables.partition=replicated", name="whole12")
     first = train(1, *options, "tables.partition=replicated", save_dir=tmp_path,
-                  preempt_at=10, name="whole_first")
+                  preempt_at=6, name="whole_first")
     second = train(2, *options, "tables.partition=sharded", save_dir=tmp_path,
                    name="sharded_resumed")
-    assert first["step"] == 10 and second["step"] == 20
+    assert first["step"] == 6 and second["step"] == 12
     assert_same_curve(first["losses"] + second["losses"], reference["losses"], rel=1e-6)
 
 
