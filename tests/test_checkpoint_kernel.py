@@ -102,3 +102,19 @@ def test_the_row_op_gives_the_flat_ops_bits_in_place():
                 assert torch.equal(now[rows], expected), (width, step)
                 assert torch.equal(now[untouched], was[untouched])
             assert torch.equal(out, packed[0].bfloat16())
+
+
+def test_rows_without_any_gradient_take_a_zero_gradient_in_both_kernels():
+    """A `dense` owner none of whose rows any rank touched: no gradient rows at all, every
+    row -1. Each kernel gives the rows what a zero gradient gives them in the flat update."""
+    g = torch.Generator().manual_seed(7)
+    for kernel in (_kernel(), AdamKernel("torch", (0.9, 0.95), 1e-8)):
+        table = torch.randn(6, 64, generator=g)
+        moments = [torch.rand(6, 64, generator=g) * 1e-2 for _ in range(2)]
+        expected = [t.clone() for t in (table, *moments)]
+        kernel.update(3, 1e-3, 0.1, expected[0], torch.zeros(6, 64), *expected[1:])
+        rows = torch.arange(6)
+        kernel.update_rows(3, 1e-3, 0.1, table, *moments, torch.empty(0, 64), rows, rows,
+                           torch.full((6,), -1))
+        for now, want in zip((table, *moments), expected):
+            assert torch.equal(now, want)

@@ -139,8 +139,9 @@ class AdamKernel:
             return
         p, m, v = (x.index_select(0, r) for x, r in
                    ((param, param_rows), (exp_avg, state_rows), (exp_avg_sq, state_rows)))
-        g = grads.index_select(0, grad_rows.clamp(min=0))
-        g[grad_rows < 0] = 0
+        g = torch.zeros_like(p)  # rows without a gradient (-1) stay zero
+        hit = grad_rows >= 0
+        g[hit] = grads[grad_rows[hit]]
         if p.numel():
             self.update(step, lr, weight_decay, p, g, m, v)
         for dst, rows, src in ((param, param_rows, p), (exp_avg, state_rows, m),
@@ -676,7 +677,6 @@ class TableOptimizer:
             self._publish_shard(t, t.master if t.separate else None)
         if self.copy is not None:
             self.copy.barrier()
-
 
 
 def _row_grads(param: torch.nn.Parameter) -> RowGradSum:
