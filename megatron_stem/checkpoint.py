@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import shutil
 from pathlib import Path
+
 import torch.distributed as dist
 import yaml
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
@@ -176,10 +179,21 @@ def parallel_save_strategy() -> FullyParallelSaveStrategyWrapper | None:
     """Megatron's torch_dist save with the writes spread over the data-parallel replicas:
     each tensor shard replicated over DP is written by one of them, chosen to balance the
     bytes per rank (only metadata is exchanged). Without it DP rank 0 writes them all."""
+    _keep_write_results_in_process()
     if not dist.is_initialized() or not ps.model_parallel_is_initialized():
         return None
     return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
                                             ps.get_data_parallel_group())
+
+
+def _keep_write_results_in_process() -> None:
+    """megatron's file writer returns its results through a queue made for asynchronous
+    saves: a multiprocessing manager started with `spawn`, a new interpreter that imports
+    the training script again (torch, megatron, DeepSpeed: ~5 s of CPU per rank, and 40%
+    of a small test run) at a rank's first save. Our saves are synchronous: the results
+    are put and read in this process, so a plain queue does."""
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def load_model(model, ckpt: Path) -> None:
