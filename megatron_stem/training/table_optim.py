@@ -52,6 +52,7 @@ from megatron_stem import parallel
 from megatron_stem.training.row_grads import RowGradSum, row_grads_of, take_same_rows
 from megatron_stem.training.table_overlap import Overlap
 from megatron_stem.training.table_shards import (
+    ID_BYTES,
     RowShards,
     TrafficCounters,
     all_gather_padded,
@@ -383,7 +384,7 @@ class TableOptimizer:
         if world == 1:
             return rows
         (gathered,), longest = all_gather_padded([rows], self.dp_group, world)
-        self.counters.index_bytes += world * longest * 8
+        self.counters.index_bytes += world * longest * ID_BYTES
         return torch.unique(torch.cat(gathered))
 
     def _average_over_dp(self, rows: torch.Tensor, values: torch.Tensor):
@@ -535,9 +536,8 @@ class TableOptimizer:
 
     def _lazy_update(self, t: TableState, grad: torch.Tensor, lr: float):
         """Adam on the touched rows; returns their new values in the table's dtype (None
-        when the table is the master and nothing else holds it)."""
-        values = self._values(t, t.rows.numel()) if t.separate or self.shards is not None \
-            else None
+        when the table is its own master: it has them)."""
+        values = self._values(t, t.rows.numel()) if t.separate else None
         grad_rows = torch.arange(t.rows.numel(), device=t.rows.device)
         self._update_rows(t, t.rows, grad_rows, grad, lr, values)
         return values

@@ -187,12 +187,16 @@ class RowShards:
         table.index_copy_(0, rows, received.flatten(0, 1))
         counters.gather_bytes += (len(peers) - 1) * shard.numel() * shard.element_size()
 
-    def gather_rows(self, table: torch.Tensor, rows: torch.Tensor, values: torch.Tensor,
-                    group, counters: TrafficCounters) -> None:
+    def gather_rows(self, table: torch.Tensor, rows: torch.Tensor,
+                    values: torch.Tensor | None, group, counters: TrafficCounters) -> None:
         """Like `gather_shards` for some of each owner's rows (`lazy`): `rows` (table row
-        ids) with `values`."""
+        ids) with `values` (None: they are in its `table` already)."""
         peers = _group_ranks(group, self.group)
         device = table.device
+        if values is None:
+            if len(peers) == 1:
+                return
+            values = table[rows.to(device)]
         values = _to_table(values, table, counters)
         if len(peers) == 1:
             table.index_copy_(0, rows.to(device), values)
