@@ -399,10 +399,11 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
             T * phases * (2 if traffic.padded_gathers(lay) else 1))
         if ag and lay.partition == "sharded":
             # The gathered rows arrive in a new buffer (an owner's rows are interleaved
-            # over the table, not one slice of it; padded row sets are concatenated
-            # first), then index_copy puts them into the table: read + write.
+            # over the table, not one slice of it; padded row sets are padded into one
+            # more, this rank's share), then index_copy puts them into the table: read +
+            # write.
             placed = ag * w.dp / (w.dp - 1)
-            fresh = placed * (2 if traffic.padded_gathers(lay) else 1)
+            fresh = placed * (1 + 1 / w.dp if traffic.padded_gathers(lay) else 1)
             add("place gathered rows into the table (memory)", "mem", placed, "B",
                 hw.alloc_copy_seconds(fresh, rpn) + 2 * placed / hw.memory_bw)
     else:

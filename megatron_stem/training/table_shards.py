@@ -206,7 +206,8 @@ class RowShards:
         counters.index_bytes += len(peers) * (ID_BYTES + longest * ID_BYTES)
         counters.gather_bytes += (len(peers) - 1) * longest * table.shape[1] * \
             values.element_size()
-        table.index_copy_(0, torch.cat(ids), torch.cat(rows_in))
+        for peer_ids, peer_rows in zip(ids, rows_in):  # no concatenated copy of them all
+            table.index_copy_(0, peer_ids, peer_rows)
 
     def all_rows(self, rows: torch.Tensor, counters: TrafficCounters) -> torch.Tensor:
         """The union of every rank's (disjoint) owned `rows` (table row ids), sorted."""
