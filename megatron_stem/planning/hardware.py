@@ -39,6 +39,11 @@ from megatron_stem.errors import UserError
 
 GB = 1e9
 
+# glibc's malloc serves a buffer over its mmap threshold with fresh pages, returned to the
+# system when it is freed; smaller ones reuse the heap's pages. The threshold rises to the
+# size of the large buffers freed, up to 32 MiB on 64-bit: in a training loop, that.
+MMAP_THRESHOLD = 32 << 20
+
 # Where `cpu` constants are cached, and the h200 refit from bench/gpu/run_all.sh.
 CACHE_DIR = Path.home() / ".cache" / "megatron_stem" / "planner"
 
@@ -115,17 +120,17 @@ class Hardware:
         return link * self.collective_efficiency
 
     def allgather_seconds(self, received_bytes: float, ranks: int,
-                          ranks_per_node: int) -> float:
-        """All-gather in which this rank receives `received_bytes` from the others: the
-        ring's bus bandwidth on GPUs; gloo's measured all-gather rate on the CPU profile
-        (its all-gather is not its all-reduce's algorithm)."""
+                          ranks_per_node: int, calls: int = 1) -> float:
+        """All-gathers (`calls` of one size) in which this rank receives `received_bytes`
+        from the others: the ring's bus bandwidth on GPUs; gloo's measured all-gather rate
+        on the CPU profile (its all-gather is not its all-reduce's algorithm)."""
         if ranks <= 1 or received_bytes == 0:
             return 0.0
         if self.device_is_host and self.gloo_allgather_bw:
             # gloo gathers into a new flat buffer (ProcessGroupGloo: fresh pages) and
             # copies it out: the whole output, besides the bytes received
             output = received_bytes * ranks / (ranks - 1)
-            return self.alloc_copy_seconds(output, ranks) + received_bytes / (
+            return self.alloc_copy_seconds(output, ranks, output / calls) + received_bytes / (
                 self.gloo_allgather_bw * self.threads_per_rank(ranks))
         return received_bytes / self.ring_busbw(ranks, ranks_per_node)
 
@@ -144,10 +149,15 @@ class Hardware:
         eff = self.collective_efficiency
         return max(remote / (nic_per_gpu * eff), near / (self.nvlink_bw * eff))
 
-    def alloc_copy_seconds(self, nbytes: float, ranks_per_node: int) -> float:
-        """One rank's copy of `nbytes` into newly allocated buffers (the accelerator's
-        memory; on the CPU profile, fresh pages: their page faults included)."""
-        bw = self.alloc_copy_bw or self.memory_bw
+    def alloc_copy_seconds(self, nbytes: float, ranks_per_node: int,
+                           buffer_bytes: float | None = None) -> float:
+        """One rank's copy of `nbytes` into newly allocated buffers of `buffer_bytes` each
+        (default: one buffer): the accelerator's memory (its caching allocator); on the CPU
+        profile, fresh pages with their page faults for buffers over glibc's mmap
+        threshold, the heap's reused pages under it."""
+        size = nbytes if buffer_bytes is None else buffer_bytes
+        bw = self.alloc_copy_bw if self.alloc_copy_bw and size > MMAP_THRESHOLD else \
+            self.memory_bw
         if self.device_is_host:
             bw *= self.threads_per_rank(ranks_per_node)
         return nbytes / bw

@@ -56,6 +56,8 @@ ZERO_STEP_PASSES = 2
 # Passes over the backbone's grads as DeepSpeed reduces them: into new buffers (the
 # bucket, its flattened copy for the collective; and the partition's share, 1/DP), and
 # in place (the averaging divide, the reduced values copied back into the bucket).
+# DeepSpeed's new buffers are costed as fresh pages whatever their size (as calibrated;
+# how it allocates them, not modelled), where our own are by size (`alloc_copy_seconds`).
 ZERO_REDUCE_BUFFER_PASSES = 2
 ZERO_REDUCE_PASSES = 2
 # ZeRO-1/2 backbone: bf16 params and grads on the device, fp32 master and moments / DP.
@@ -395,20 +397,22 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
     ag = traffic.gather_bytes(s, lay, c)
     phases = 2 if lay.overlap == "next_step" else 1
     if lay.placement == "device":
-        add("all-gather updated rows", "net", ag, "B", hw.allgather_seconds(ag, w.dp, gpn),
+        add("all-gather updated rows", "net", ag, "B",
+            hw.allgather_seconds(ag, w.dp, gpn, T),  # (next_step: nearly all in one phase)
             T * phases * (2 if traffic.padded_gathers(lay) else 1))
         if ag and lay.partition == "sharded":
-            # The gathered rows arrive in a new buffer (an owner's rows are interleaved
-            # over the table, not one slice of it; padded row sets are padded into one
-            # more, this rank's share), then index_copy puts them into the table: read +
-            # write.
+            # The gathered rows arrive in new buffers, one per owner (an owner's rows are
+            # interleaved over the table, not one slice of it; padded row sets are padded
+            # into one more, this rank's share), then index_copy puts them into the
+            # table: read + write.
             placed = ag * w.dp / (w.dp - 1)
             fresh = placed * (1 + 1 / w.dp if traffic.padded_gathers(lay) else 1)
             add("place gathered rows into the table (memory)", "mem", placed, "B",
-                hw.alloc_copy_seconds(fresh, rpn) + 2 * placed / hw.memory_bw)
+                hw.alloc_copy_seconds(fresh, rpn, placed / (T * w.dp)) +
+                2 * placed / hw.memory_bw)
     else:
         add("all-gather updated rows across nodes (fp32)", "net", ag, "B",
-            hw.allgather_seconds(ag, lay.copies, 1), T)
+            hw.allgather_seconds(ag, lay.copies, 1, T), T)
     return out, lay
 
 
