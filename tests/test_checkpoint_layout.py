@@ -1,7 +1,10 @@
 """Checkpoint folders: atomic commit, `latest`, keep-last-k, clear errors."""
 
+import multiprocessing
+
 import pytest
 import torch
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megatron_stem import checkpoint
 from megatron_stem.config import ParallelConfig, Recipe
@@ -28,6 +31,20 @@ def test_model_round_trip_and_latest_pointer(world1, tmp_path):
     for (name, a), (_, b) in zip(model.state_dict().items(), other.state_dict().items()):
         if isinstance(a, torch.Tensor):
             assert torch.equal(a, b), name
+
+
+def test_a_save_starts_no_interpreter(world1, tmp_path, monkeypatch):
+    """megatron's writer returns its results through a queue made for async saves, by
+    default a manager process started with spawn (an interpreter importing the training
+    script again at each rank's first save); our saves are synchronous and keep it here."""
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)  # as in a fresh process
+    recipe = Recipe(model=tiny_model())
+    model = build_model(recipe.model, ParallelConfig(), seed=1)
+    before = set(multiprocessing.active_children())
+    with checkpoint.Writer(tmp_path, 1, recipe) as folder:
+        checkpoint.save_model(model, folder)
+    assert set(multiprocessing.active_children()) <= before
+    assert checkpoint.latest(tmp_path).name == "iter_0000001"
 
 
 def test_crash_mid_save_keeps_last_good_checkpoint(world1, tmp_path):
