@@ -12,6 +12,8 @@ nothing when the op is already there. `tools/build_ops.py` builds them ahead of 
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import hashlib
 import io
 import os
@@ -51,8 +53,27 @@ def _speaks() -> bool:
     return int(os.environ.get("LOCAL_RANK", "0")) == 0
 
 
+def _ask_cpuinfo_once() -> None:
+    """DeepSpeed's CPU op builders ask py-cpuinfo for the CPU's architecture and SIMD width
+    at every load, even of a built op, twice (`cpu_arch`, `simd_width`), and py-cpuinfo
+    answers from a new Python process: 1.1 s a question, 2-7 s of each rank's start. The
+    answer cannot change within a process: ask once."""
+    import cpuinfo
+
+    if getattr(cpuinfo.get_cpu_info, "asked_once", False):
+        return
+    ask = functools.cache(cpuinfo.get_cpu_info)
+
+    def get_cpu_info():
+        return copy.deepcopy(ask())
+
+    get_cpu_info.asked_once = True
+    cpuinfo.get_cpu_info = get_cpu_info
+
+
 def load(builder, what: str):
     """`builder.load()` from the one folder, announced when it has to compile first."""
+    _ask_cpuinfo_once()
     folder = use_extensions_dir()
     if not (folder / builder.name / f"{builder.name}.so").is_file() and _speaks():
         print(f"building {what}, once per environment, ~1-2 min (into {folder})", flush=True)
@@ -115,6 +136,7 @@ def start_deepspeed(cpu_adam: bool) -> None:
     from deepspeed.accelerator import get_accelerator
 
     use_extensions_dir()
+    _ask_cpuinfo_once()  # DeepSpeed loads its ops again in `initialize`
     if cpu_adam:
         load_cpu_adam()
     builder = _shm_comm_builder()

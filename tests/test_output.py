@@ -114,3 +114,24 @@ def test_op_builds_are_announced_once_and_cached_per_environment(tmp_path, monke
     (tmp_path / "ext" / "fake_op" / "fake_op.so").unlink()
     ops.load(builder, "the fake op")  # another rank of the node: the first one says it
     assert capsys.readouterr().out == "" and builder.loads == 3
+
+
+def test_deepspeed_builders_ask_the_cpu_once_per_process(tmp_path, monkeypatch):
+    """py-cpuinfo answers from a new Python process (about a second); DeepSpeed's CPU op
+    builders ask it twice per op load, even of an op already built."""
+    import cpuinfo
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    asked = []
+
+    def get_cpu_info():
+        asked.append(1)
+        return {"arch": "X86_64", "flags": ["avx2"]}
+
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", get_cpu_info)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    ops.load(FakeBuilder(), "the fake op")
+    first, second = CPUAdamBuilder(), CPUAdamBuilder()
+    answers = [first.cpu_arch(), first.simd_width(), second.cpu_arch(), second.simd_width()]
+    assert len(asked) == 1
+    assert answers[:2] == answers[2:] and "AVX256" in answers[1]
