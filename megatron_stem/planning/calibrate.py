@@ -241,7 +241,7 @@ def _gloo_worker(rank: int, world: int, path: str, out: str) -> None:
     tiny = torch.ones(1)
     shard = torch.ones(n // world)
     # A 64 MB collective's CPU time moves by up to 2x from call to call on this machine
-    # (1.2-2.1 GB/s all-reduce bus bandwidth as the best of 4): the best of 12 is stable.
+    # (1.2-2.4 GB/s all-reduce bus bandwidth as the best of 4): the best of 12 is stable.
     seconds = {"latency": cpu_seconds(lambda: dist.all_reduce(tiny), 20),
                "allreduce": cpu_seconds(lambda: dist.all_reduce(x), 12),
                "alltoall": cpu_seconds(lambda: dist.all_to_all(parts, sends), 12),

@@ -127,7 +127,7 @@ class Hardware:
         if ranks <= 1 or received_bytes == 0:
             return 0.0
         if self.device_is_host and self.gloo_allgather_bw:
-            # gloo gathers into a new flat buffer (ProcessGroupGloo: fresh pages) and
+            # gloo gathers into a new flat buffer (ProcessGroupGloo), one per call, and
             # copies it out: the whole output, besides the bytes received
             output = received_bytes * ranks / (ranks - 1)
             return self.alloc_copy_seconds(output, ranks, output / calls) + received_bytes / (
