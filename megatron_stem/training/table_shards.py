@@ -172,12 +172,12 @@ class RowShards:
         `group` is the data-parallel group (device placement) or a cross-copy group
         (host placement: the ranks at this rank's index in every node's copy)."""
         peers = _group_ranks(group, self.group)
+        order = self._maps(table.device)[0]
         if shard is None:
             if len(peers) == 1:
                 return
-            shard = table[self._maps(table.device)[0][self.lo:self.hi]]
+            shard = table[order[self.lo:self.hi]]
         shard = _to_table(shard, table, counters)
-        order = self._maps(table.device)[0]
         if len(peers) == 1:
             table.index_copy_(0, order[self.lo:self.hi], shard)
             return
