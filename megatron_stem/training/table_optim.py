@@ -593,11 +593,12 @@ class TableOptimizer:
                  start: int):
         """The update of state rows `rows` and their publication, as a job for `Overlap`:
         gradients of the touched rows (`t.rows`) from `grad`, zero for the others; their
-        new values in rows [start, ...) of the table's buffer."""
+        new values in rows [start, ...) of the table's buffer (none for a table that is its
+        own master: it has them)."""
         grad_rows = self._grad_rows(rows, t.rows)
 
         def job(group):
-            values = self._values(t, rows.numel(), start)
+            values = self._values(t, rows.numel(), start) if t.separate else None
             self._update_rows(t, rows, grad_rows, grad, lr, values)
             self.shards.gather_rows(t.param.data, self.shards.table_rows(rows), values, group,
                                     self.counters)
