@@ -227,8 +227,10 @@ def test_host_tables_dense_update_matches_device(train, reference):
 
 def test_cli_reports_missing_data_in_one_line(tmp_path):
     recipe = tmp_path / "r.yaml"
+    # its own save_dir: the recipe's (the quickstart's run folder) may hold a finished run
     recipe.write_text("inherit: " + str(ROOT / "recipes" / "tiny_cpu.yaml") +
-                      "\ndata: {prefixes: [" + str(tmp_path / "nothing") + "]}\n")
+                      "\ndata: {prefixes: [" + str(tmp_path / "nothing") + "]}\n" +
+                      "train: {save_dir: " + str(tmp_path / "ckpt") + "}\n")
     proc = subprocess.run([sys.executable, "-m", "megatron_stem.train", "--recipe", str(recipe)],
                           capture_output=True, text=True, timeout=300, env=subprocess_env())
     assert proc.returncode == 2
