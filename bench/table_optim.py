@@ -11,12 +11,14 @@ import time
 
 import torch
 
-from megatron_stem.training.table_optim import TableOptimizer
+from megatron_stem.training.tables.layout import TableLayout
+from megatron_stem.training.tables.optimizer import TableOptimizer
 
 
 def step_time(update: str, vocab: int, rows: int, width: int, kernel: str, iters: int) -> float:
     table = torch.nn.Parameter(torch.randn(vocab, width))
-    opt = TableOptimizer([("t", table)], update, 1.0, 0.1, (0.9, 0.95), kernel=kernel)
+    opt = TableOptimizer([("t", table)], TableLayout(update=update, kernel=kernel), 1.0, 0.1,
+                         (0.9, 0.95))
     ids = torch.randperm(vocab)[:rows]
     values = torch.randn(rows, width)
     total = 0.0

@@ -9,6 +9,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "tests" / "workers"
+# The tables' path refuses host memory handed to a collective, as NCCL would on a GPU node
+# (training/tables/comm.py): on in this process and in every process it starts.
+os.environ.setdefault("STEM_CHECK_HOST_TENSORS", "1")
 
 
 def _free_port() -> int:
@@ -38,17 +41,19 @@ def tensorboard_steps(folder, tag: str) -> list[int]:
     return [e.step for e in events.Scalars(tag)]
 
 
-def torchrun(nproc: int, script: str, *args: str, timeout: int = 600) -> str:
-    """Run tests/workers/<script> under torchrun with `nproc` gloo ranks; fail with its log."""
+def torchrun(nproc: int, script: str, *args: str, timeout: int = 600, exit_code: int = 0) -> str:
+    """Run tests/workers/<script> under torchrun with `nproc` gloo ranks; its stdout (and
+    stderr, when `exit_code` is not 0: the run is expected to fail with it); fail the test
+    with its log when it exits otherwise."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={_free_port()}", str(WORKERS / script), *map(str, args)]
     env = subprocess_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, cwd=WORKERS, env=env, capture_output=True, text=True,
                           timeout=timeout)
-    if proc.returncode:
+    if proc.returncode != exit_code:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n"
                     f"{proc.stderr[-8000:]}")
-    return proc.stdout
+    return proc.stdout + (proc.stderr if exit_code else "")
 
 
 def merge_rank_dumps(folder: Path) -> dict:

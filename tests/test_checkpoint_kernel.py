@@ -1,5 +1,5 @@
 """DeepSpeed's CPU Adam kernel gives an element the same bits whatever happened before
-the step and whatever else the call updates (training/table_optim.py, `AdamKernel`).
+the step and whatever else the call updates (training/tables/adam.py, `AdamKernel`).
 
 The op keeps beta1^t and beta2^t as running float32 products and falls back to `pow`
 (other bits) when a step is not the previous one plus one: a kernel created at resume, or
@@ -11,7 +11,7 @@ parallel layout) drifted too.
 
 import torch
 
-from megatron_stem.training.table_optim import AdamKernel
+from megatron_stem.training.tables.adam import AdamKernel
 
 STEPS = 12
 
@@ -118,3 +118,46 @@ def test_rows_without_any_gradient_take_a_zero_gradient_in_both_kernels():
                            torch.full((6,), -1))
         for now, want in zip((table, *moments), expected):
             assert torch.equal(now, want)
+
+
+def test_the_clipping_scale_is_the_gradients_times_it_in_both_kernels():
+    """Clipping folded into the row update: the bits of the same update on gradients
+    multiplied by the coefficient beforehand (as a separate pass would)."""
+    g = torch.Generator().manual_seed(8)
+    for kernel in (_kernel(), AdamKernel("torch", (0.9, 0.95), 1e-8)):
+        table = torch.randn(12, 200, generator=g)
+        moments = [torch.rand(12, 200, generator=g) * 1e-2 for _ in range(2)]
+        grads = torch.randn(5, 200, generator=g)
+        rows, grad_rows = torch.tensor([1, 2, 3, 7, 9]), torch.tensor([0, 1, -1, 3, 4])
+        folded = [t.clone() for t in (table, *moments)]
+        kernel.update_rows(4, 1e-3, 0.1, folded[0], *folded[1:], grads, rows, rows, grad_rows,
+                           grad_scale=0.37)
+        kernel.update_rows(4, 1e-3, 0.1, table, *moments, grads * 0.37, rows, rows, grad_rows)
+        for a, b in zip(folded, (table, *moments)):
+            assert torch.equal(a, b), kernel.kind
+
+
+def test_the_row_op_lets_python_run_meanwhile():
+    """The op releases the GIL: while it updates a large table on a worker thread (the
+    overlapped update), the main thread's Python keeps running (it launches the next
+    step's kernels). With the GIL held, the main thread could not advance at all."""
+    import threading
+
+    kernel = _kernel()
+    table = torch.randn(60_000, 512)
+    moments = [torch.zeros_like(table) for _ in range(2)]
+    grads = torch.randn(60_000, 512)
+    rows = torch.randperm(60_000)  # scattered rows: one kernel call per row
+    counter = {"n": 0, "during": 0}
+
+    def update():
+        start = counter["n"]
+        kernel.update_rows(1, 1e-3, 0.1, table, *moments, grads, rows, rows, rows)
+        counter["during"] = counter["n"] - start
+
+    worker = threading.Thread(target=update)
+    worker.start()
+    while worker.is_alive():
+        counter["n"] += 1
+    worker.join()
+    assert counter["during"] > 10_000, counter

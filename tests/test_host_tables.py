@@ -18,7 +18,8 @@ from megatron_stem.model.row_cache import RowCache
 from megatron_stem.training import host_tables
 from megatron_stem.training.host_tables import HostTableStore, gather_rows
 from megatron_stem.training.row_grads import row_grads_of, take_same_rows
-from megatron_stem.training.table_optim import TableOptimizer
+from megatron_stem.training.tables.layout import TableLayout
+from megatron_stem.training.tables.optimizer import TableOptimizer
 from workers.common import TINY, HostTable, tiny_model
 
 CPU = torch.device("cpu")
@@ -40,7 +41,8 @@ def zipf_ids(generator, shape, vocab, offset=0):
                                                r"model\.vocab_size=300"),
     ({"placement": "gpu"}, r"tables\.placement: expected one of \['device', 'host'\]"),
     ({"placement": "host", "overlap": "next_step"},
-     r"tables\.overlap: next_step needs partition: sharded and placement: device"),
+     r"tables\.overlap: next_step needs tables\.partition: sharded and tables\.placement: "
+         r"device"),
     ({"partition": "replicated", "optimizer": {"device": "accelerator"}},
      r"optimizer\.tables\.device: accelerator needs tables\.partition: sharded"),
     ({"optimizer": {"kernel": "numpy"}}, r"optimizer\.tables\.kernel: expected one of"),
@@ -129,8 +131,9 @@ def test_rows_updated_at_step_k_are_seen_at_step_k_plus_1(update, cache_rows, mo
     g = torch.Generator().manual_seed(1)
     tables = [HostTable(torch.randn(vocab, width, generator=g)) for _ in range(2)]
     store = HostTableStore(tables, CPU, torch.float32, cache_rows=cache_rows, gather_threads=2)
-    opt = TableOptimizer([(f"t{i}", t.weight) for i, t in enumerate(tables)], update, 1.0,
-                         0.1, (0.9, 0.95), kernel="torch", host=store)
+    opt = TableOptimizer([(f"t{i}", t.weight) for i, t in enumerate(tables)],
+                         TableLayout("host", update=update, kernel="torch"), 1.0, 0.1,
+                         (0.9, 0.95), host=store)
     update_fast, gather_fast = opt.kernel.update, host_tables._gather_chunk
 
     def update_slowly(*args):  # a prefetch that did not wait for the step would read old rows

@@ -27,7 +27,7 @@ def layout(partition, placement="device", update="dense", **kw):
 
 def test_replicated_device_counts_by_hand():
     c = traffic.counters(SHAPE, layout("replicated"), COUNTS)
-    assert c["tables/index_bytes"] == 4 * 12 * 8 * 2  # padded ids, all-gathered per table
+    assert c["tables/index_bytes"] == 4 * 12 * 8  # padded ids, all-gathered once
     assert c["tables/grad_bytes"] == 30 * 8 * 4 * 2  # the union's fp32 rows, all-reduced
     assert c["tables/gather_bytes"] == 0
     assert c["tables/grad_d2h_bytes"] == 30 * 8 * 4 * 2
@@ -69,7 +69,11 @@ def test_host_counts_by_hand():
     assert sh["tables/adam_elements"] == 25 * 8 * 2
     assert sh["tables/cpu_state_bytes"] == 50 * 8 * 2 * 4 + 25 * 8 * 2 * 8
     assert sh["tables/gather_bytes"] == 25 * 8 * 4 * 2  # from the other copy's owner, fp32
-    assert sh["tables/update_h2d_bytes"] == 0
+    # The owner's fp32 rows cross to the accelerator for the all-gather (NCCL), and the
+    # other copy's rows come back into this node's copy.
+    assert sh["tables/update_h2d_bytes"] == 25 * 8 * 4 * 2
+    assert sh["tables/publish_d2h_bytes"] == sh["tables/gather_bytes"]
+    assert rep["tables/update_h2d_bytes"] == rep["tables/publish_d2h_bytes"] == 0
 
 
 def test_cpu_training_moves_nothing_between_devices():

@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_stem.training import table_optim
-from megatron_stem.training.table_optim import TableOptimizer
+from megatron_stem.training.tables import optimizer as table_optim
+from megatron_stem.training.tables.layout import TableLayout
+from megatron_stem.training.tables.optimizer import TableOptimizer
 
 VOCAB, WIDTH, LR, WD, BETAS = 50, 8, 1e-2, 0.1, (0.9, 0.95)
 
@@ -23,8 +24,8 @@ def _loss(table, ids):
 def _run_ours(update, kernel):
     table = torch.nn.Parameter(torch.randn(VOCAB, WIDTH, generator=torch.Generator()
                                            .manual_seed(1)))
-    opt = TableOptimizer([("t", table)], update=update, lr_mult=1.0, weight_decay=WD,
-                         betas=BETAS, kernel=kernel)
+    opt = TableOptimizer([("t", table)], TableLayout(update=update, kernel=kernel),
+                         lr_mult=1.0, weight_decay=WD, betas=BETAS)
     for ids in _batches():
         _loss(table, ids).backward()
         opt.sync_grads()
@@ -85,16 +86,45 @@ def test_dense_and_lazy_differ_on_untouched_rows():
     assert not torch.allclose(dense[VOCAB // 2:], lazy[VOCAB // 2:])  # weight decay moved them
 
 
-def test_clip_coefficient_scales_the_gradient():
+@pytest.mark.parametrize("kernel", ["torch", "deepspeed"])
+def test_clipping_scales_the_tables_gradients_as_a_hand_clipped_adamw(kernel):
+    """Clipping multiplies the gradients before Adam: at step 1 Adam is scale-invariant
+    (up to eps), so the steps after it tell. Against torch's AdamW on gradients multiplied
+    by the same coefficients by hand; and not the unclipped curve."""
+    coefs = [0.5, 0.25, 1.0, 0.1]
+
+    def ours(clip):
+        table = torch.nn.Parameter(torch.randn(VOCAB, WIDTH, generator=torch.Generator()
+                                               .manual_seed(1)))
+        opt = TableOptimizer([("t", table)], TableLayout(update="dense", kernel=kernel),
+                             1.0, WD, BETAS)
+        for ids, c in zip(_batches(len(coefs)), coefs):
+            _loss(table, ids).backward()
+            opt.sync_grads()
+            opt.step(LR, clip_coef=c if clip else 1.0)
+        return table.detach()
+
+    table = torch.nn.Parameter(torch.randn(VOCAB, WIDTH, generator=torch.Generator()
+                                           .manual_seed(1)))
+    reference = torch.optim.AdamW([table], lr=LR, betas=BETAS, eps=1e-8, weight_decay=WD)
+    for ids, c in zip(_batches(len(coefs)), coefs):
+        reference.zero_grad()
+        F.embedding(ids, table).sin().sum().backward()
+        table.grad.mul_(c)
+        reference.step()
+    clipped = ours(clip=True)
+    torch.testing.assert_close(clipped, table.detach(), atol=1e-6, rtol=1e-5)
+    assert (clipped - ours(clip=False)).abs().max() > 1e-3
+
+
+def test_the_norm_counts_each_touched_row_once():
     table = torch.nn.Parameter(torch.zeros(4, 2))
-    opt = TableOptimizer([("t", table)], "lazy", 1.0, 0.0, BETAS, kernel="torch")
-    F.embedding(torch.tensor([[1]]), table, sparse=True).sum().backward()
+    opt = TableOptimizer([("t", table)], TableLayout(update="lazy", kernel="torch"), 1.0,
+                         0.0, BETAS)
+    F.embedding(torch.tensor([[1, 1, 3]]), table, sparse=True).sum().backward()
     opt.sync_grads()
-    assert opt.grad_norm_sq() == pytest.approx(2.0)
-    assert opt.touched_rows == 1
-    opt.step(LR, clip_coef=0.5)
-    # Adam is scale-invariant at step 1 (up to eps), so the step is still -lr.
-    torch.testing.assert_close(table[1], torch.full((2,), -LR), atol=1e-6, rtol=0)
+    assert opt.grad_norm_sq() == pytest.approx(2 * 2 ** 2 + 2 * 1 ** 2)  # row 1 twice
+    assert opt.touched_rows == 2
 
 
 def test_device_placement_that_cannot_fit_the_node_is_refused_before_allocating(monkeypatch):
@@ -129,7 +159,7 @@ def test_interleaved_shards_balance_the_frequent_rows():
     """Shards own an interleaved sample of the vocabulary: the most frequent ids of a BPE
     vocabulary (its lowest) split evenly over any number of ranks, and the order is a
     permutation that does not depend on that number (checkpoints reshard)."""
-    from megatron_stem.training.table_shards import interleaved_order
+    from megatron_stem.training.tables.shards import interleaved_order
 
     for vocab in (32000, 128256):
         order = interleaved_order(vocab)

@@ -1,4 +1,4 @@
-// Row-indexed AdamW for the STEM tables' optimizer (megatron_stem/training/table_optim.py).
+// Row-indexed AdamW for the STEM tables' optimizer (megatron_stem/training/tables/adam.py).
 //
 // Updates chosen rows of a table and of its Adam moments in place, with DeepSpeed's CPU
 // Adam arithmetic (its Adam_Optimizer, compiled from its own sources): the touched rows of
@@ -8,6 +8,11 @@
 // last `width % kVector` elements are updated in a zero-padded vector (DeepSpeed's scalar
 // tail rounds differently), so an element's result does not depend on how rows are
 // packed, and equals what DeepSpeed's op gives for the same element in a flat tensor.
+//
+// Clipping is folded in (`grad_scale`: each gradient row is scaled into a small buffer as
+// the kernel is about to read it, no pass over all gradients of its own), and the op runs
+// without the GIL: the overlapped update calls it from a worker thread while the main
+// thread launches the next step's kernels.
 
 #include <torch/extension.h>
 
@@ -41,7 +46,7 @@ void copy_row(out_t* dst, const float* src, int64_t n)
 }  // namespace
 
 // params[param_rows[k]], exp_avg[state_rows[k]], exp_avg_sq[state_rows[k]] take one AdamW
-// step with gradient grads[grad_rows[k]] (grad_rows[k] < 0: a zero gradient); the new
+// step with gradient grads[grad_rows[k]] x grad_scale (grad_rows[k] < 0: a zero gradient); the new
 // params rows go to out[k] (fp32 or bf16) when `out` is not empty. Rows may repeat only
 // if they are not written twice (param_rows and state_rows each unique).
 void adam_update_rows(int64_t step,
@@ -50,6 +55,7 @@ void adam_update_rows(int64_t step,
                       double beta2,
                       double eps,
                       double weight_decay,
+                      double grad_scale,
                       torch::Tensor params,
                       torch::Tensor exp_avg,
                       torch::Tensor exp_avg_sq,
@@ -102,9 +108,11 @@ void adam_update_rows(int64_t step,
     // cost more than the row's arithmetic at small widths.
     const bool packed = ps == width && ms == width && vs == width && gs == width;
     const std::vector<float> zeros(kSpan * width, 0.0f);
+    const float scale = static_cast<float>(grad_scale);
 
     at::parallel_for(0, count, std::max<int64_t>(1, 16384 / width), [&](int64_t lo, int64_t hi) {
         float pad[4][kVector];
+        std::vector<float> scaled(scale != 1.0f ? kSpan * width : 0);
         for (int64_t k = lo, n = 1; k < hi; k += n) {
             n = 1;
             while (packed && k + n < hi && n < kSpan && prow[k + n] == prow[k] + n &&
@@ -117,6 +125,12 @@ void adam_update_rows(int64_t step,
             // DeepSpeed's kernel takes a mutable gradient pointer but only reads it.
             float* gk = const_cast<float*>(grow[k] < 0 ? zeros.data() : g + grow[k] * gs);
             const int64_t size = n * width, body = size - size % kVector, tail = size - body;
+            if (!scaled.empty() && grow[k] >= 0) {  // the rows' gradients, clipped (g x c)
+                for (int64_t r = 0; r < n; ++r)
+                    for (int64_t i = 0; i < width; ++i)
+                        scaled[r * width + i] = gk[r * gs + i] * scale;
+                gk = scaled.data();
+            }
             if (body) opt.Step_8(pk, gk, mk, vk, body, /*parallel=*/false);
             if (tail) {
                 std::memset(pad, 0, sizeof(pad));
@@ -140,5 +154,6 @@ void adam_update_rows(int64_t step,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
     m.def("adam_update_rows", &adam_update_rows,
-          "AdamW on chosen rows of a table and its moments, in place (DeepSpeed arithmetic)");
+          "AdamW on chosen rows of a table and its moments, in place (DeepSpeed arithmetic)",
+          py::call_guard<py::gil_scoped_release>());
 }

@@ -66,7 +66,7 @@ def adam_rate(kernel: str, elements: int = 1 << 25) -> float:
     """Elements/s of one in-place AdamW update of contiguous fp32 tensors, one thread
     (at 8M elements, 128 MB of state and grad: from DRAM, not the caches, as a table's
     update runs)."""
-    from megatron_stem.training.table_optim import AdamKernel
+    from megatron_stem.training.tables.adam import AdamKernel
 
     k = AdamKernel(kernel, (0.9, 0.95), 1e-8)
     p, g, m, v = (torch.rand(elements) for _ in range(4))

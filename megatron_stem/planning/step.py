@@ -28,13 +28,13 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from megatron_stem.accounting import account, training_flops_per_token
-from megatron_stem.config import (Recipe, TableOptimizerConfig, TableStorageConfig,
-                                  check_table_sections, from_dict)
-from megatron_stem.errors import ConfigError, UserError
+from megatron_stem.config import Recipe
+from megatron_stem.errors import UserError
 from megatron_stem.planning import rows as row_model
 from megatron_stem.planning import traffic
 from megatron_stem.planning.hardware import Hardware
 from megatron_stem.planning.traffic import Layout, RowCounts, TableShape
+from megatron_stem.training.tables.layout import TableLayout
 
 PLACEMENTS = ("device", "host")
 UPDATES = ("dense", "lazy")
@@ -86,15 +86,8 @@ class Option:
     @property
     def implemented(self) -> bool:
         """Whether the config (and so the trainer) accepts this combination."""
-        try:
-            check_table_sections(
-                from_dict(TableOptimizerConfig, {"update": self.update, "device": self.optimizer}),
-                from_dict(TableStorageConfig, {"placement": self.placement,
-                                               "partition": self.partition,
-                                               "overlap": self.overlap}))
-        except ConfigError:
-            return False
-        return True
+        return TableLayout(self.placement, self.partition, self.update, self.overlap,
+                           self.optimizer).problem() is None
 
     def __str__(self) -> str:
         return "/".join((self.placement, self.update, self.partition, self.overlap,
@@ -168,7 +161,7 @@ class Workload:
     shape: TableShape
     rows: RowCounts
     # The busiest owner's received rows over the mean in the grads-to-owners all-to-all:
-    # 1 with the shards' interleaved rows (training/table_shards.py); contiguous ranges of
+    # 1 with the shards' interleaved rows (training/tables/shards.py); contiguous ranges of
     # a frequency-ordered BPE vocabulary would give the first owner ~3x (docs/tables.md).
     owner_skew: float = 1.0
 

@@ -2,7 +2,7 @@
 
 The step planner predicts with these functions (from modelled row counts, `rows.py`); the
 trainer counts the same quantities as it moves them (`TrafficCounters` in
-training/table_shards.py, logged as `tables/*`): each function below names the counter it
+training/tables/shards.py, logged as `tables/*`): each function below names the counter it
 predicts and follows the code's path, so a test can hold the two equal on measured row
 counts.
 
@@ -12,10 +12,11 @@ travels). "Rows" are table rows (token ids); every table of a layout has the sam
 
 Layouts (docs/tables.md):
 * `replicated`: `device`: every rank all-reduces the union of touched rows in fp32 (per
-  table, after a padded all-gather of ids) and runs CPU Adam against its own full master;
+  table, after one padded all-gather of ids) and runs CPU Adam against its own full master;
   `host`: one fp32 copy per node (the master), rows owned by the copy's ranks, in-node
   reduce to owners, cross-node all-reduce of owned rows.
-* `sharded`: each DP rank owns rows/DP contiguous rows; one all-to-all of counts and ids,
+* `sharded`: each DP rank owns rows/DP rows (an interleaved sample of the vocabulary);
+  one all-to-all of counts and ids,
   one of all tables' grads (training dtype); owners sum in fp32 and update; updated rows
   are all-gathered (`device`: into every rank's table, param dtype; `host`: into the other
   nodes' copies, fp32). `dense` gathers whole shards; `lazy` (and `next_step`'s two
@@ -125,15 +126,14 @@ def padded_gathers(layout: Layout) -> bool:
 
 
 def index_bytes(shape: TableShape, layout: Layout, counts: RowCounts) -> float:
-    """`index_bytes`: row ids and counts. Replicated: the padded ids all-gathered (device
-    placement: once per table). Sharded: the counts (sent and received) and the ids to
+    """`index_bytes`: row ids and counts. Replicated: the padded ids all-gathered once.
+    Sharded: the counts (sent and received) and the ids to
     their owners; `next_step` again for the next step's rows; padded gathers add every
     holder's ids; host `lazy` the changed rows for the row cache."""
     if layout.dp == 1:
         return 0
     if layout.partition == "replicated":
-        per_union = layout.dp * counts.longest_rank() * ID_BYTES
-        return per_union * (shape.tables if layout.placement == "device" else 1)
+        return layout.dp * counts.longest_rank() * ID_BYTES
     sent = counts.rank_rows - (counts.self_rows or counts.rank_rows / layout.dp)
     to_owners = 2 * layout.dp * ID_BYTES + sent * ID_BYTES
     out = to_owners * (2 if layout.overlap == "next_step" else 1)
@@ -225,16 +225,28 @@ def grad_d2h_bytes(shape: TableShape, layout: Layout, counts: RowCounts) -> floa
 
 def update_h2d_bytes(shape: TableShape, layout: Layout, counts: RowCounts) -> float:
     """`update_h2d_bytes`: updated rows sent to the device table, cast on the CPU first (sharded
-    device placement: the rows this rank updated). Replicated device placement copies too
-    (`dense`: the whole fp32 master, cast on the device; `lazy`: the union, cast on the
-    CPU), which the trainer's counter does not count yet."""
-    if layout.placement != "device" or layout.optimizer != "cpu" or layout.device_is_host:
+    device placement: the rows this rank updated; replicated: `dense` the whole fp32
+    master, cast on the device, `lazy` the union, cast on the CPU). Sharded host copies:
+    the owner's fp32 rows, to the accelerator for the all-gather to the other copies."""
+    if layout.optimizer != "cpu" or layout.device_is_host:
         return 0
+    if layout.placement == "host":
+        if layout.partition != "sharded" or layout.copies == 1:
+            return 0
+        return rows_bytes(updated_rows(shape, layout, counts), shape, FP32)
     if layout.partition == "replicated":
         if layout.update == "dense":
             return rows_bytes(shape.rows, shape, FP32)
         return rows_bytes(counts.union_rows, shape, layout.param_bytes)
     return rows_bytes(updated_rows(shape, layout, counts), shape, layout.param_bytes)
+
+
+def publish_d2h_bytes(shape: TableShape, layout: Layout, counts: RowCounts) -> float:
+    """`publish_d2h_bytes`: sharded host copies, the other copies' gathered rows back from
+    the accelerator into this node's copy (what `gather_bytes` received)."""
+    if layout.placement != "host" or layout.device_is_host:
+        return 0
+    return gather_bytes(shape, layout, counts)
 
 
 def staging_h2d_bytes(shape: TableShape, layout: Layout, counts: RowCounts) -> float:
@@ -287,6 +299,7 @@ def counters(shape: TableShape, layout: Layout, counts: RowCounts) -> dict[str, 
         "tables/comm_bytes": comm_bytes(shape, layout, counts),
         "tables/grad_d2h_bytes": grad_d2h_bytes(shape, layout, counts),
         "tables/update_h2d_bytes": update_h2d_bytes(shape, layout, counts),
+        "tables/publish_d2h_bytes": publish_d2h_bytes(shape, layout, counts),
         "tables/h2d_bytes": staging_h2d_bytes(shape, layout, counts),
         "tables/adam_elements": adam_elements(shape, layout, counts),
         "tables/cpu_state_bytes": cpu_state_bytes(shape, layout),

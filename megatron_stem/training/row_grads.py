@@ -11,7 +11,7 @@ sums a row's gradients the one way both placements share:
    sort-based order, the same op for both placements);
 2. then the backwards' sums in the order they ran, in fp32;
 3. rounded once to the gradients' dtype (the training dtype: what the rows' owners
-   receive, `table_shards.to_owners`).
+   receive, `tables/shards.py` `to_owners`).
 
 So the same tokens give the same bits in either placement, and the sums no longer depend
 on `coalesce()` (whose order of additions, an unstable sort's, differs from position

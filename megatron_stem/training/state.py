@@ -25,7 +25,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
 from megatron_stem.checkpoint import parallel_save_strategy
-from megatron_stem.training.table_optim import TableOptimizer, replay_deepspeed_steps
+from megatron_stem.training.tables.adam import replay_deepspeed_steps
+from megatron_stem.training.tables.optimizer import TableOptimizer
 
 OPTIM = "optim"
 TRAIN_STATE = "train_state.pt"

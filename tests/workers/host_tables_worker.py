@@ -22,7 +22,8 @@ from megatron_stem.config import ParallelConfig
 from megatron_stem.model.host_copy import SHM_DIR, HostCopy
 from megatron_stem.parallel import destroy_distributed, init_distributed
 from megatron_stem.training.host_tables import HostTableStore
-from megatron_stem.training.table_optim import TableOptimizer
+from megatron_stem.training.tables.layout import TableLayout
+from megatron_stem.training.tables.optimizer import TableOptimizer
 
 VOCAB, WIDTH, STEPS = 98, 8, 4
 CASES = {"device_sharded": ("device", "sharded", 0),
@@ -59,8 +60,11 @@ def train(kernel: str, update: str, placement: str, partition: str = "replicated
         params = [t.weight for t in tables]
     else:
         params = [torch.nn.Parameter(init[i].clone()) for i in range(2)]
-    opt = TableOptimizer([(f"t{i}", p) for i, p in enumerate(params)], update, 1.0, 0.1,
-                         (0.9, 0.95), kernel=kernel, host=store, partition=partition)
+    layout = TableLayout(placement, partition, update, kernel=kernel)
+    opt = TableOptimizer([(f"t{i}", p) for i, p in enumerate(params)], layout, 1.0, 0.1,
+                         (0.9, 0.95), host=store)
+    part = opt.partition
+    owners = getattr(part, "shards", None) or getattr(part, "owners", None)
     g = torch.Generator().manual_seed(100 + dist.get_rank())  # each rank its own ids
     norms = []
     for _ in range(STEPS):
@@ -76,13 +80,9 @@ def train(kernel: str, update: str, placement: str, partition: str = "replicated
                     out = F.embedding(mb["tokens"], p, sparse=True)
                 (out.sin() * (i + 1)).sum().backward()
         opt.sync_grads()
-        if opt.shard() is not None or copy is not None and copy.size > 1:
-            lo, hi = opt._owned_range()  # each rank holds only the rows it owns
+        if owners is not None and owners.size > 1:  # each rank holds only the rows it owns
             for t in opt.tables:
-                owns = (t.rows % copy.size == copy.index) \
-                    if update == "lazy" and opt.shard() is None else \
-                    (t.rows >= lo) & (t.rows < hi)
-                owners_ok &= bool(owns.all())
+                owners_ok &= bool((owners.owner_of(part.ids_of(t.rows)) == owners.rank).all())
         norms.append(opt.grad_norm_sq())
         opt.step(1e-2, clip_coef=0.7)
     states = full_states(opt, params)

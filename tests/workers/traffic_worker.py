@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from megatron_stem.config import ParallelConfig
 from megatron_stem.parallel import destroy_distributed, init_distributed
 from megatron_stem.planning import traffic
-from megatron_stem.training.table_optim import TableOptimizer
-from megatron_stem.training.table_shards import interleaved_order
+from megatron_stem.training.tables.layout import TableLayout
+from megatron_stem.training.tables.optimizer import TableOptimizer
+from megatron_stem.training.tables.shards import interleaved_order
 
 VOCAB, WIDTH, TABLES = 64, 8, 2
 # (`next_step`'s two padded gathers are modelled from one longest owner, not per phase.)
@@ -46,8 +47,9 @@ def measured_counts(ids: torch.Tensor) -> traffic.RowCounts:
 def step(update: str, partition: str, overlap: str, ids: torch.Tensor) -> dict:
     """One step's counters; `next_step` is given this step's ids as the next step's."""
     params = [torch.nn.Parameter(torch.randn(VOCAB, WIDTH)) for _ in range(TABLES)]
-    opt = TableOptimizer([(f"t{i}", p) for i, p in enumerate(params)], update, 1.0, 0.1,
-                         (0.9, 0.95), kernel="torch", partition=partition, overlap=overlap)
+    layout = TableLayout(partition=partition, update=update, overlap=overlap, kernel="torch")
+    opt = TableOptimizer([(f"t{i}", p) for i, p in enumerate(params)], layout, 1.0, 0.1,
+                         (0.9, 0.95))
     for p in params:
         F.embedding(ids, p, sparse=True).sum().backward()
     opt.sync_grads()

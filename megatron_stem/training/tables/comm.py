@@ -1,0 +1,238 @@
+"""Every collective of the tables' path, on the device its group communicates on.
+
+On a GPU node the groups the tables use (data parallel, a node's host-copy ranks, the
+copies' peers, tensor parallel, the overlap's own) are NCCL groups, which take accelerator
+tensors only; gloo, which the CPU runs and tests use, takes any tensor. A node's shared
+host copy, optimizer state in CPU memory, and whatever is read from them are host memory.
+So the tables' path never calls `torch.distributed` itself:
+
+* `Devices` names the two memories. A tensor crosses between them through `to_host` /
+  `to_accelerator`, which count the bytes a GPU node copies (none on a CPU run, where
+  both are the CPU's memory); host memory is allocated through `host_zeros`/`host_empty`.
+* `Comm` runs the collectives of one group and refuses a tensor that is not on the
+  group's device, with a message that names the collective and the group.
+* Check mode (`STEM_CHECK_HOST_TENSORS=1`; the test suite turns it on): on a CPU run a
+  device cannot tell host memory from the accelerator's, so the tables' path runs under a
+  torch function mode that follows host memory instead: what `to_host`, `host_*` and
+  `mark_host` return is host memory, and so is every result of an operation on host
+  memory (as on a GPU node, where such a result is on the CPU), except copies into a
+  tensor (`copy_`, item assignment: they keep the destination's memory) and
+  `to_accelerator`. `Comm` then refuses host memory as NCCL would on a GPU node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+CHECK_ENV = "STEM_CHECK_HOST_TENSORS"
+_HOST = "_stem_host_memory"  # the attribute check mode marks host memory with
+
+
+def check_mode() -> bool:
+    return os.environ.get(CHECK_ENV) == "1"
+
+
+def is_host(tensor) -> bool:
+    """Whether check mode has marked `tensor` as host memory."""
+    return isinstance(tensor, torch.Tensor) and getattr(tensor, _HOST, False)
+
+
+def mark_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Declare `tensor` host memory for check mode (a node's shared copy, CPU state)."""
+    if check_mode():
+        setattr(tensor, _HOST, True)
+    return tensor
+
+
+def _alias(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as a new, unmarked tensor object (check mode's stand-in for a copy between
+    host and accelerator, which on a CPU run is the same memory)."""
+    with _HostTracking.suspended():
+        return tensor.view_as(tensor)
+
+
+# Operations whose result is host memory whatever their inputs are.
+_TO_HOST = {torch.Tensor.cpu, torch.Tensor.pin_memory}
+# Copies into an existing tensor: the result is the destination, in its own memory.
+_INTO_DESTINATION = {torch.Tensor.copy_, torch.Tensor.__setitem__}
+
+
+_thread = threading.local()
+
+
+class _HostTracking(TorchFunctionMode):
+    """Check mode's torch function mode: marks what is computed from host memory."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if getattr(_thread, "suspended", 0) or func in _INTO_DESTINATION:
+            return out
+        if func in _TO_HOST and out is args[0] and not is_host(out):
+            out = _alias(out)  # `.cpu()` of a CPU run's "accelerator" tensor is itself
+        if func in _TO_HOST or any(is_host(x) for x in tree_leaves((args, kwargs))):
+            for x in tree_leaves(out):
+                if isinstance(x, torch.Tensor):
+                    setattr(x, _HOST, True)
+        return out
+
+    @staticmethod
+    @contextlib.contextmanager
+    def suspended():
+        _thread.suspended = getattr(_thread, "suspended", 0) + 1
+        try:
+            yield
+        finally:
+            _thread.suspended -= 1
+
+
+def tracked(method):
+    """Run a tables' path entry point under check mode's host tracking (when it is on).
+    The mode is per thread: the overlap's worker enters it for its jobs too."""
+
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with host_tracking():
+            return method(*args, **kwargs)
+    return run
+
+
+@contextlib.contextmanager
+def host_tracking():
+    """Check mode's host tracking in this thread (nested entries are one)."""
+    if not check_mode() or getattr(_thread, "tracking", False):
+        yield
+        return
+    _thread.tracking = True
+    try:
+        with _HostTracking():
+            yield
+    finally:
+        _thread.tracking = False
+
+
+@dataclass(frozen=True)
+class Devices:
+    """The accelerator (the compute device, on which the groups communicate: the CPU on a
+    CPU run) and the host's memory."""
+
+    accelerator: torch.device
+    host: torch.device = torch.device("cpu")
+
+    @property
+    def separate(self) -> bool:
+        """Whether host and accelerator memory differ (a GPU node): crossing copies."""
+        return self.accelerator.type != self.host.type
+
+    def to_host(self, tensor: torch.Tensor, counters=None, counter: str = "") -> torch.Tensor:
+        """`tensor` in host memory, its bytes counted in `counters.<counter>` when that is a
+        copy."""
+        if self.separate and tensor.device.type != "cpu":
+            _count(counters, counter, tensor)
+            return mark_host(tensor.to(self.host))
+        if check_mode() and not is_host(tensor):  # the same memory: a marked alias
+            return mark_host(_alias(tensor))
+        return tensor
+
+    def to_accelerator(self, tensor: torch.Tensor, counters=None, counter: str = "",
+                       non_blocking: bool = False) -> torch.Tensor:
+        if self.separate:
+            if tensor.device.type == "cpu":
+                _count(counters, counter, tensor)
+            return tensor.to(self.accelerator, non_blocking=non_blocking)
+        return _alias(tensor) if is_host(tensor) else tensor
+
+    def host_zeros(self, shape, dtype=torch.float32, pin: bool = False) -> torch.Tensor:
+        pin = pin and self.separate  # pinned memory needs an accelerator to pin for
+        return mark_host(torch.zeros(shape, dtype=dtype, pin_memory=pin))
+
+    def host_empty(self, shape, dtype=torch.float32, pin: bool = False) -> torch.Tensor:
+        pin = pin and self.separate
+        return mark_host(torch.empty(shape, dtype=dtype, pin_memory=pin))
+
+
+def _count(counters, counter: str, tensor: torch.Tensor) -> None:
+    if counters is not None and counter:
+        setattr(counters, counter, getattr(counters, counter) + tensor.numel() *
+                tensor.element_size())
+
+
+class Comm:
+    """The collectives of the tables' path over one group (`group`; None: the world), on
+    `devices.accelerator`. `name` says which group in errors."""
+
+    def __init__(self, group, devices: Devices, name: str):
+        self.group, self.devices, self.name = group, devices, name
+        self.size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self._alone = False
+
+    @classmethod
+    def alone(cls, devices: Devices, name: str) -> "Comm":
+        """A group of this rank only (no collectives run over it)."""
+        comm = cls(None, devices, name)
+        comm.size, comm.rank, comm._alone = 1, 0, True
+        return comm
+
+    def ranks(self) -> list[int]:
+        """The group's global ranks, in group rank order."""
+        if not dist.is_initialized():
+            return [0]
+        if self._alone:
+            return [dist.get_rank()]
+        return dist.get_process_group_ranks(self.group or dist.group.WORLD)
+
+    def _check(self, op: str, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if t.device.type != self.devices.accelerator.type or is_host(t):
+                where = "host memory" if is_host(t) else f"a tensor on {t.device}"
+                raise RuntimeError(
+                    f"tables: {op} over {self.name} was handed {where}; the group "
+                    f"communicates on {self.devices.accelerator} (NCCL on a GPU node takes "
+                    "accelerator tensors only): move it with Devices.to_accelerator")
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        self._check("all_reduce", tensor)
+        dist.all_reduce(tensor, group=self.group)
+
+    def reduce(self, tensor: torch.Tensor, dst: int) -> None:
+        """Sum `tensor` onto the group's rank `dst`."""
+        self._check("reduce", tensor)
+        dist.reduce(tensor, dst=self.ranks()[dst], group=self.group)
+
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        self._check("all_gather", tensor, *outputs)
+        dist.all_gather(outputs, tensor, group=self.group)
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, output_splits=None,
+                   input_splits=None) -> None:
+        self._check("all_to_all", output, tensor)
+        dist.all_to_all_single(output, tensor, output_splits, input_splits, group=self.group)
+
+    def all_gather_varying(self, tensors: list[torch.Tensor]):
+        """Every rank's `tensors` (of one first-dimension length per rank, which may differ
+        between ranks), gathered padded to the longest: per tensor, the ranks' tensors in
+        rank order, trimmed; and the longest length."""
+        length = tensors[0].shape[0]
+        count = torch.tensor([length], device=self.devices.accelerator)
+        counts = [torch.empty_like(count) for _ in range(self.size)]
+        self.all_gather(counts, count)
+        counts = [int(c) for c in counts]
+        longest = max(counts)
+        out = []
+        for t in tensors:
+            padded = t.new_zeros((longest, *t.shape[1:]))
+            padded[:length] = t
+            gathered = [torch.empty_like(padded) for _ in range(self.size)]
+            self.all_gather(gathered, padded)
+            out.append([g[:c] for g, c in zip(gathered, counts)])
+        return out, longest
