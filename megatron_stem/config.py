@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 import yaml
 
 from megatron_stem.errors import ConfigError
+from megatron_stem.training.tables.layout import TableLayout
 
 # ---------------------------------------------------------------------------------------
 # Generic strict loader
@@ -266,7 +267,7 @@ class DataConfig:
 
 @dataclass
 class TableOptimizerConfig:
-    """The STEM tables' own optimizer (training/table_optim.py), `optimizer.tables`: AdamW
+    """The STEM tables' own optimizer (training/tables/), `optimizer.tables`: AdamW
     with the backbone's betas, eps and schedule, at `optimizer.lr x lr_mult`."""
 
     update: Literal["dense", "lazy"] = "dense"
@@ -301,7 +302,7 @@ class OptimizerConfig:
 @dataclass
 class TableStorageConfig:
     """Where the STEM tables and their optimizer state live, and when their update runs
-    (training/host_tables.py, table_shards.py, table_overlap.py), `tables`."""
+    (training/host_tables.py, training/tables/), `tables`."""
 
     # The optimizer's settings, which this section held until they moved (recipes and
     # checkpoints written before): a recipe naming one here is an error saying where it went.
@@ -321,7 +322,7 @@ class TableStorageConfig:
     partition: Literal["sharded", "replicated"] = "sharded"
     # "next_step": a step's table update finishes while the next step computes, the rows
     # that step reads first (same results, docs/tables.md); needs partition: sharded and
-    # placement: device. "none": the update runs after the last backward.
+    # placement: device (training/tables/layout.py). "none": after the last backward.
     overlap: Literal["none", "next_step"] = "none"
     # host: rows per table kept on the accelerator for the most frequent ids (LFU with
     # aging); 0 = no cache.
@@ -338,27 +339,11 @@ class TableStorageConfig:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.gather_threads < 1:
             raise ConfigError(f"gather_threads: must be >= 1, got {self.gather_threads}")
-        if self.overlap == "next_step" and not self.sharded_on_device:
-            raise ConfigError("overlap: next_step needs partition: sharded and placement: "
-                              f"device (got partition: {self.partition}, placement: "
-                              f"{self.placement})")
         if self.placement == "device":
             for name in ("cache_rows", "ranks_per_copy"):
                 if getattr(self, name):
                     raise ConfigError(f"{name}: needs placement: host (device-resident "
                                       "tables have every row in place on every rank)")
-
-    @property
-    def sharded_on_device(self) -> bool:
-        return (self.partition, self.placement) == ("sharded", "device")
-
-
-def check_table_sections(optimizer: TableOptimizerConfig, storage: TableStorageConfig) -> None:
-    """The rule across `optimizer.tables` and `tables`: state on the accelerator is sharded."""
-    if optimizer.device == "accelerator" and not storage.sharded_on_device:
-        raise ConfigError("optimizer.tables.device: accelerator needs tables.partition: "
-                          f"sharded and tables.placement: device (got partition: "
-                          f"{storage.partition}, placement: {storage.placement})")
 
 
 def upgrade_saved_recipe(data: dict) -> dict:
@@ -402,6 +387,29 @@ class TrainConfig:
 
 
 @dataclass
+class GuardConfig:
+    """What a run does when a step is not finite or its loss spikes (training/guard.py),
+    `guard`. A non-finite step is always skipped whole."""
+
+    # Skipped steps in a row after which the run stops (latest rewound to the last
+    # checkpoint saved before them, one error line, a non-zero exit: not requeued).
+    max_skipped_steps: int = 10
+    # A loss above this multiple of the median of the last `spike_window` steps' losses is
+    # a spike: logged, and the checkpoint before it kept. 0: no spike detection.
+    spike_factor: float = 2.0
+    spike_window: int = 50
+    stop_on_spike: bool = False  # a spike stops the run as too many skipped steps do
+
+    def validate(self) -> None:
+        for name in ("max_skipped_steps", "spike_window"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.spike_factor and self.spike_factor <= 1:
+            raise ConfigError(f"spike_factor: must be above 1 (or 0: off), got "
+                              f"{self.spike_factor}")
+
+
+@dataclass
 class Recipe:
     """A whole recipe file: the model, its layout, and how to train it."""
 
@@ -411,6 +419,7 @@ class Recipe:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     tables: TableStorageConfig = field(default_factory=TableStorageConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     def validate(self) -> None:
         self.parallel.check_model(self.model)
@@ -418,7 +427,7 @@ class Recipe:
         if tables.cache_rows > self.model.vocab_size:
             raise ConfigError(f"tables.cache_rows: {tables.cache_rows} rows exceed "
                               f"model.vocab_size={self.model.vocab_size}")
-        check_table_sections(self.optimizer.tables, tables)
+        TableLayout.of(self).validate()  # the rules across both table sections
 
 
 def _read_yaml(path: Path, chain: tuple = ()) -> dict:

@@ -9,7 +9,11 @@ import sys
 
 
 class UserError(Exception):
-    """A problem with the user's input, explained in one line that names the culprit."""
+    """A problem with the user's input, explained in one line that names the culprit.
+    `reported`: already printed where it happened (a multi-rank run says it before its
+    ranks shut down, which a launcher may cut short)."""
+
+    reported = False
 
 
 class ConfigError(UserError, ValueError):
@@ -24,7 +28,8 @@ def cli(main):
         try:
             return main(*args, **kwargs)
         except UserError as e:
-            print(f"error: {e}", file=sys.stderr)
+            if not e.reported:
+                print(f"error: {e}", file=sys.stderr)
             return 2
 
     return wrapper

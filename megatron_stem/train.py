@@ -29,10 +29,12 @@ from megatron_stem.model import build_model
 from megatron_stem.parallel import destroy_distributed, device, init_distributed
 from megatron_stem.training.checkpointing import Checkpointer, finished_step
 from megatron_stem.training.data import StepBatches, build_datasets, check_prefixes
-from megatron_stem.training.engine import build_engine, clip_coefficient
+from megatron_stem.training.engine import build_engine
+from megatron_stem.training.guard import Diverged, Guard
 from megatron_stem.training.lr import lr_at
 from megatron_stem.training.metrics import Metrics
 from megatron_stem.training.stop import EXIT_REQUEUE, StopSignal
+from megatron_stem.training.update import Outcome, Update
 
 
 def _gpus_given(environ) -> str | None:
@@ -77,22 +79,25 @@ def _token_mean_loss(model_or_engine, batch: dict) -> torch.Tensor:
     return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
 
 
-def train_step(engine, tables, microbatches: list[dict]) -> float:
-    """Forward/backward every micro-batch, then the engine's (dense) optimizer step.
-    The tables' gradients are synced at the accumulation boundary, before the engine
-    computes the global grad norm that includes them. Host-resident tables are handed the
-    step's micro-batches first (their rows are staged one micro-batch ahead); the caller
-    runs `tables.step()` before the next `train_step`, so its updates land first."""
-    tables.stage(microbatches)
+def train_step(update: Update, microbatches: list[dict], lr: float,
+               next_ids: list[torch.Tensor] | None = None) -> tuple[float, Outcome]:
+    """Forward/backward every micro-batch, then the step's update of backbone and tables
+    (training/update.py; `next_ids`: the next step's token ids, whose rows an overlapped
+    table update puts in place first). Host-resident tables are handed the step's
+    micro-batches first (their rows are staged one micro-batch ahead). Returns the
+    data-parallel mean loss and the update's outcome."""
+    engine = update.engine
+    update.tables.stage(microbatches)
     total = 0.0
-    for batch in microbatches:
+    for i, batch in enumerate(microbatches):
         loss = _token_mean_loss(engine, batch)
         engine.backward(loss)
         total += loss.item()
-        if engine.is_gradient_accumulation_boundary():
-            tables.sync_grads()
-        engine.step()
-    return total / len(microbatches)
+        if i + 1 < len(microbatches):
+            engine.step()  # DeepSpeed's micro-step; the last one is the update's
+    local = total / len(microbatches)
+    loss = _mean_over_dp(local)
+    return loss, update.apply(lr, loss, next_ids, local_loss=local)
 
 
 @torch.no_grad()
@@ -154,29 +159,35 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
         model = build_model(recipe.model, recipe.parallel, seed=train.seed,
                             tables=recipe.tables)
         checkpointer.load_weights(model)  # before the engine copies them
-        engine, tables, norms = build_engine(model, recipe)
+        engine, tables, update = build_engine(model, recipe)
         step = checkpointer.resume(model, engine, tables)  # and saves these from now on
 
         batches, valid = _data(recipe, tokenizer)
         metrics = Metrics(recipe, first_step=step + 1)
         metrics.start(checkpointer.origin())
+        guard = Guard(recipe.guard, checkpointer.keep_before, checkpointer.rewind,
+                      lambda at, line: metrics.log(at, {}, line))
 
         result = {"losses": [], "valid": [], "step": step, "preempted": False}
         upcoming = batches.microbatches(step) if step < train.steps else None
         while step < train.steps:
             lr = lr_at(step, opt, train.steps)
-            for group in engine.optimizer.param_groups:
-                group["lr"] = lr
-            loss = _mean_over_dp(train_step(engine, tables, upcoming))
+            current = upcoming
             # The next step's batch, now: an overlapped table update puts its rows first.
             upcoming = batches.microbatches(step + 1) if step + 1 < train.steps else None
-            tables.step(lr, clip_coefficient(norms, opt.clip_grad),
-                        next_ids=upcoming and [mb["tokens"] for mb in upcoming])
+            loss, outcome = train_step(update, current, lr,
+                                       upcoming and [mb["tokens"] for mb in upcoming])
             step += 1
             result["losses"].append(loss)
             if on_step is not None:
                 on_step(step)
-            metrics.step(step, loss, lr, norms, tables)
+            metrics.step(step, loss, lr, outcome.norms, tables)
+            try:
+                guard.after(step, loss, outcome, outcome.ranks)
+            except Diverged as e:  # said now: the launcher stops the others' teardown
+                metrics.error(str(e))
+                e.reported = True
+                raise
             if step % train.eval_interval == 0 or step == train.steps:
                 result["valid"].append(evaluate(model, valid, tables))
                 metrics.valid(step, result["valid"][-1])

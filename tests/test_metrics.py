@@ -7,7 +7,7 @@ import pytest
 from conftest import tensorboard_steps
 from megatron_stem.accounting import mfu, training_flops_per_token
 from megatron_stem.config import Recipe, TrainConfig
-from megatron_stem.training.engine import GradNorms
+from megatron_stem.training.update import GradNorms
 from megatron_stem.training.metrics import Metrics
 from workers.common import tiny_model
 

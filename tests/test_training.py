@@ -5,6 +5,7 @@ Every layout and update semantics must give the loss curve of the single-rank ru
 """
 
 import json
+import shutil
 import subprocess
 import sys
 from socket import gethostname
@@ -36,16 +37,18 @@ def toy_data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def train(toy_data, tmp_path_factory):
-    def run(nproc, *overrides, name="run", save_dir=None, preempt_at=0, rss=False):
+    def run(nproc, *overrides, name="run", save_dir=None, preempt_at=0, rss=False,
+            delay_rest=0.0, plant_nan=0, exit_code=0):
         folder = tmp_path_factory.mktemp(name)
         out = folder / "result.json"
         options = ["--data", toy_data, "--out", out, "--preempt-at", preempt_at,
+                   "--delay-rest", delay_rest, "--plant-nan", plant_nan,
                    *(["--rss"] if rss else [])]
         save_dir = save_dir or folder / "ckpt"
         log = torchrun(nproc, "train_worker.py", *options, f"train.save_dir={save_dir}",
-                       *overrides)
-        return {**json.loads(out.read_text()), "folder": folder, "save_dir": save_dir,
-                "log": log}
+                       *overrides, exit_code=exit_code)
+        result = json.loads(out.read_text()) if out.is_file() else {}
+        return {**result, "folder": folder, "save_dir": save_dir, "log": log}
     return run
 
 
@@ -324,10 +327,11 @@ def test_a_replicated_checkpoint_resumes_sharded_on_two_ranks(train, tmp_path):
 def test_update_overlapped_with_the_next_step_gives_the_same_curve(train, update):
     """`tables.overlap: next_step` updates the rows the next step reads first and the rest
     while it runs: the same arithmetic, so the loss curve of the serial update, bit for
-    bit, with the state sharded over two ranks."""
+    bit, with the state sharded over two ranks. The rest is held back until the next
+    forward has surely run, so a row it needed but did not wait for would show."""
     serial = train(2, f"optimizer.tables.update={update}", name="serial")
     overlapped = train(2, f"optimizer.tables.update={update}", "tables.overlap=next_step",
-                       name="overlapped")
+                       name="overlapped", delay_rest=0.3)
     assert overlapped["losses"] == serial["losses"]
     assert overlapped["valid"] == serial["valid"]
 
@@ -360,12 +364,34 @@ def test_resume_and_save_peak_memory_stay_within_15_percent(train, tmp_path, pla
         assert again[0] / steady <= 1.15, "resuming"
 
 
-def test_optimizer_state_on_the_accelerator_gives_the_same_curve(train, reference):
-    """`optimizer.tables.device: accelerator` (torch's Adam arithmetic where the model
-    is: here the CPU again) follows the CPU optimizer's curve at DP2."""
-    result = train(2, "optimizer.tables.update=dense", "optimizer.tables.device=accelerator",
-                   name="accelerator_state")
-    assert_same_curve(result["losses"], reference["dense"]["losses"])
+# The 1B recipe's table path: bf16 tables (so the fp32 master is a copy of its own), the
+# state sharded, the update overlapped with the next step or not, the state in CPU or
+# accelerator memory, each against the replicated path at the same data-parallel size.
+BF16 = ["train.dtype=bf16", "optimizer.tables.update=dense", "train.steps=8",
+        "train.eval_interval=8"]
+
+
+@pytest.fixture(scope="module")
+def bf16_replicated(train):
+    return {dp: train(dp, *BF16, "tables.partition=replicated", name=f"bf16_replicated{dp}")
+            for dp in (2, 4)}
+
+
+@pytest.mark.parametrize("dp, overlap, state", [
+    (2, "next_step", "cpu"), (2, "none", "accelerator"),
+    (4, "next_step", "accelerator"), (4, "none", "cpu")])
+def test_the_1b_table_path_in_bf16_follows_the_replicated_reference(
+        train, bf16_replicated, dp, overlap, state):
+    result = train(dp, *BF16, "tables.partition=sharded", f"tables.overlap={overlap}",
+                   f"optimizer.tables.device={state}", name=f"bf16_{dp}_{overlap}_{state}")
+    reference = bf16_replicated[dp]
+    assert result["losses"][-1] < result["losses"][0]  # it trains
+    assert_same_curve(result["losses"], reference["losses"], rel=2e-3)
+    log = tensorboard_scalars(result["save_dir"] / "tensorboard")
+    # The state really is where the recipe says (on a CPU run both are the CPU's memory:
+    # the layout, not the device, decides where the optimizer allocates and copies).
+    other = {"cpu": "accelerator", "accelerator": "cpu"}[state]
+    assert f"tables/{state}_state_bytes" in log and f"tables/{other}_state_bytes" not in log
 
 
 @pytest.mark.parametrize("variable, value", [("SLURM_GPUS_ON_NODE", "8"),
@@ -391,3 +417,51 @@ def test_gpus_given_but_unseen_by_torch_is_one_error_line(monkeypatch, variable,
                     {"CUDA_VISIBLE_DEVICES": "NoDevFiles"},
                     {variable: value, "STEM_ALLOW_CPU": "1"}):  # CPU on purpose
         trainer.check_gpus_visible(environ)
+
+
+# --- the divergence guard (training/guard.py, training/update.py) ---
+
+
+def test_a_nan_in_one_ranks_table_gradient_skips_the_step_on_every_rank(train, tmp_path):
+    """A NaN planted in rank 1's own table gradients at step 3: both ranks skip the step
+    (the tables' norm is global), say whose it was, and change nothing: the checkpoints of
+    steps 2 and 3 hold the same bits. The run goes on."""
+    result = train(2, "train.save_interval=1", "train.keep_last=0", save_dir=tmp_path,
+                   plant_nan=3, name="planted_nan")
+    assert "step 3 | skipped: tables not finite (rank 1's table gradients); nothing was " \
+           "updated (1 in a row; the run stops at 10)" in result["log"]
+    assert result["step"] == 6 and result["losses"][3] == result["losses"][3]  # finite
+    assert_same_checkpoints(tmp_path / "iter_0000003", tmp_path / "iter_0000002")
+
+
+def test_a_diverging_run_stops_at_its_last_good_checkpoint_and_resumes_from_it(
+        train, reference, tmp_path):
+    """The reference run (6 steps) continued at a learning rate high enough to diverge:
+    its loss spikes, then its steps are not finite and are skipped with a line each; the
+    run stops after `guard.max_skipped_steps` with one error line and a failed exit (2
+    from each rank; torchrun's own 1), which no launcher requeues; the checkpoint before
+    the first sign (a step's loss is that of the weights the step before it made)
+    outlives `keep_last`, and a rerun with a sane learning rate resumes from it."""
+    shutil.copytree(reference["lazy"]["save_dir"], tmp_path, dirs_exist_ok=True)
+    # keep_last=2: the checkpoint before the step that spoilt the weights is still there
+    # when the next step's loss shows it (one saved every step)
+    diverging = ["optimizer.lr=1.0e+3", "guard.max_skipped_steps=2", "train.save_interval=1",
+                 "train.keep_last=2", "train.steps=20"]
+    first = train(2, *diverging, save_dir=tmp_path, name="diverging", exit_code=1)
+    lines = first["log"].splitlines()
+    spikes = [line for line in lines if "| loss spike:" in line]
+    skips = [line for line in lines if "| skipped:" in line]
+    assert spikes and len(skips) == 2, first["log"][-3000:]
+    bad = int(skips[0].split()[1])
+    good = tmp_path / "iter_0000006"  # the first spike is at step 8, after step 7's update
+    assert spikes[0].startswith("step 8 | loss spike: ")
+    parts = skips[-1].split("skipped: ")[1].split(" not finite")[0]
+    assert [line for line in lines if line.startswith("error: ")] == [
+        f"error: guard.max_skipped_steps: 2 steps in a row were skipped (steps {bad}-{bad + 1}: "
+        f"{parts} not finite); latest now names the last good checkpoint, {good}: rerun to "
+        "resume from it, with a lower learning rate (e.g. optimizer.lr=...) or another guard "
+        "setting"]
+    assert (good / "KEPT").is_file() and (tmp_path / "latest").read_text().strip() == good.name
+    rescued = train(2, "optimizer.lr=1.0e-3", *diverging[1:], save_dir=tmp_path, name="rescued")
+    assert rescued["step"] == 20 and len(rescued["losses"]) == 14
+    assert all(loss < 10 for loss in rescued["losses"])  # finite, and learning again

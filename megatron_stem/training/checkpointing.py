@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megatron_stem import checkpoint
 from megatron_stem.config import Recipe
 from megatron_stem.errors import UserError
+from megatron_stem.training.tables.shards import ROW_ORDER, check_row_order
 from megatron_stem.training.state import (
     OPTIM,
     TRAIN_STATE,
@@ -39,6 +40,9 @@ from megatron_stem.training.state import (
     save_optimizers,
     save_train_state,
 )
+
+
+KEPT = "KEPT"  # a checkpoint `prune` leaves: the divergence guard's last good one
 
 
 class Checkpointer:
@@ -77,9 +81,27 @@ class Checkpointer:
         self._parts = (model, engine, tables)
         if self.resume_from is None:
             return 0
-        step = load_train_state(self.resume_from)["step"]
-        load_optimizers(model, engine.optimizer, tables, self.resume_from, step)
-        return step
+        state = load_train_state(self.resume_from)
+        check_row_order(state.get("table_row_order"), self.resume_from)
+        load_optimizers(model, engine.optimizer, tables, self.resume_from, state["step"])
+        return state["step"]
+
+    def keep_before(self, step: int) -> str | None:
+        """The divergence guard's pin (training/guard.py): the newest checkpoint before
+        `step` (the last good one before a skipped step or a loss spike), kept from
+        pruning (marked by rank 0); its path, None when there is none."""
+        good = last_before(self.save_dir, step)
+        if good is None:
+            return None
+        if dist.get_rank() == 0:
+            (good / KEPT).write_text(f"kept by the divergence guard: the last checkpoint "
+                                     f"before step {step}\n")
+        return str(good)
+
+    def rewind(self, ckpt: str) -> None:
+        """Point `latest` at `ckpt`: a rerun resumes from it (rank 0 writes)."""
+        if dist.get_rank() == 0:
+            point_latest(self.save_dir, Path(ckpt))
 
     def save(self, step: int, force: bool = False) -> bool:
         """Save a complete checkpoint of `step` when one is due (or `force`: a stop), on
@@ -94,7 +116,8 @@ class Checkpointer:
             save_optimizers(model, engine.optimizer, tables, folder)
             if dist.get_rank() == 0:
                 save_train_state(folder, step, {"consumed_samples":
-                                                step * train.global_batch_size})
+                                                step * train.global_batch_size,
+                                                "table_row_order": ROW_ORDER})
         if dist.get_rank() == 0:
             prune(self.save_dir, train.keep_last)
             print(f"step {step} | saved {self.save_dir / checkpoint.iter_name(step)}",
@@ -169,10 +192,26 @@ def agreed_resume_point(save_dir: str | Path, recipe) -> Path | None:
 
 
 def prune(save_dir: Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` complete checkpoints (0: keep all)."""
+    """Delete all but the newest `keep_last` complete checkpoints (0: keep all), and
+    those the divergence guard kept (`KEPT`)."""
     if keep_last <= 0:
         return
     done = sorted((p for p in checkpoint.iter_folders(save_dir)
                    if (p / checkpoint.COMPLETE).exists()), key=checkpoint.step_of)
     for old in done[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        if not (old / KEPT).exists():
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def last_before(save_dir: Path, step: int) -> Path | None:
+    """The newest complete checkpoint of a step before `step` (None: there is none)."""
+    done = [p for p in checkpoint.iter_folders(save_dir)
+            if (p / checkpoint.COMPLETE).exists() and checkpoint.step_of(p) < step]
+    return max(done, key=checkpoint.step_of) if done else None
+
+
+def point_latest(save_dir: Path, ckpt: Path) -> None:
+    """Make `ckpt` the checkpoint a rerun of the run in `save_dir` resumes from."""
+    pointer = save_dir / (checkpoint.LATEST + ".tmp")
+    pointer.write_text(ckpt.name + "\n")
+    os.replace(pointer, save_dir / checkpoint.LATEST)

@@ -2,10 +2,10 @@
 
 The DeepSpeed engine owns every parameter but the tables: ZeRO-1/2 partitions their
 optimizer states (and, at stage 2, gradients) over data parallel, optionally offloaded to
-CPU. The tables are trained by `TableOptimizer` (row-sparse, CPU-resident states).
-Gradient clipping uses one global norm over both: the engine's ZeRO optimizer is handed
-the tables' share of the norm (see `_include_tables_in_grad_norm`). Host-resident tables
-(`tables.placement: host`) stay out of the engine's reach and get a `HostTableStore`.
+CPU. The tables are trained by `TableOptimizer` (training/tables/). Gradient clipping uses
+one global norm over both, and the order of a step's update is written once
+(training/update.py). Host-resident tables (`tables.placement: host`) stay out of the
+engine's reach and get a `HostTableStore`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from megatron_stem.errors import ConfigError
 from megatron_stem.model.table import StemTable
 from megatron_stem.parallel import device, local_world_size
 from megatron_stem.training.host_tables import HostTableStore
-from megatron_stem.training.table_optim import TableOptimizer, cpu_state_bytes
+from megatron_stem.training.tables.layout import TableLayout
+from megatron_stem.training.tables.optimizer import TableOptimizer, cpu_state_bytes
+from megatron_stem.training.update import Update
 
 
 class MegatronMpu:
@@ -66,17 +68,25 @@ def deepspeed_config(recipe: Recipe, dp_size: int) -> dict:
     zero = {"stage": opt.zero_stage}
     if opt.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    return {
+    config = {
         "train_batch_size": train.global_batch_size,
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.global_batch_size // per_step,
         "zero_optimization": zero,
         "gradient_clipping": opt.clip_grad,
-        "bf16": {"enabled": train.dtype == "bf16"},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2 ** 62,
         "wall_clock_breakdown": False,
     }
+    if train.dtype == "bf16":
+        # bf16 parameters and per-micro-batch gradients, but the micro-batches' gradients
+        # summed and reduced over data parallel in fp32, as Megatron-LM does by default:
+        # summing 32 ranks x 4 micro-batches in bf16 loses the small gradients. A step with
+        # inf/NaN gradients is skipped (training/update.py relies on it).
+        config |= {"bf16": {"enabled": True, "check_grad_overflow": True},
+                   "data_types": {"grad_accum_dtype": "fp32"},
+                   "communication_data_type": "fp32"}
+    return config
 
 
 def _dense_optimizer(recipe: Recipe, decay, no_decay):
@@ -91,31 +101,32 @@ def _dense_optimizer(recipe: Recipe, decay, no_decay):
     return torch.optim.AdamW(groups, fused=torch.cuda.is_available(), **kwargs)
 
 
-class GradNorms:
-    """The last step's gradient norms: backbone, tables, and the global one clipped by."""
+@contextlib.contextmanager
+def _zero_optimizer_for_fp32_grads():
+    """ZeRO's optimizer for bf16 parameters with fp32 gradient accumulation at stage 1.
 
-    backbone = tables = total = 0.0
+    For that combination DeepSpeed 0.19 builds its `BF16_Optimizer`, which keeps a full
+    fp32 gradient on every rank, all-reduces it after the backward (never overlapped with
+    it) and computes the norm in a module function the tables cannot join. Its ZeRO-1/2
+    optimizer (`DeepSpeedZeroOptimizer`) does fp32 accumulation too (`grad_accum` per
+    parameter, reduced in fp32 at the boundary, overlappable with the last backward) and
+    is the one the tables' norm hook and checkpoints are written for (training/update.py,
+    training/state.py). DeepSpeed picks it for this combination only with offload, so the
+    choice is made here, for the `initialize` call only."""
+    from deepspeed.runtime import engine as ds_engine
 
+    choose = ds_engine.DeepSpeedEngine._do_optimizer_sanity_check
 
-def _include_tables_in_grad_norm(zero_optimizer, tables: TableOptimizer,
-                                 norms: GradNorms) -> None:
-    """Make the ZeRO optimizer clip by the norm over backbone *and* tables.
+    def zero_rather_than_bf16(self, basic_optimizer):
+        choice = choose(self, basic_optimizer)
+        return ds_engine.ZERO_OPTIMIZATION \
+            if choice == ds_engine.BFLOAT16 and self.zero_optimization() else choice
 
-    DeepSpeed's ZeRO-1/2 computes its (loss-scaled) global norm in `scaled_global_norm`
-    and clips its own partitions by it; it never sees the tables. We wrap that one method
-    on this optimizer instance to add the tables' share, so both clip by the same norm.
-    """
-    backbone_norm = zero_optimizer.scaled_global_norm
-
-    def global_norm(norm_type=2):
-        scale = float(getattr(zero_optimizer, "loss_scale", 1.0))
-        backbone = float(backbone_norm(norm_type)) / scale
-        table_sq = tables.grad_norm_sq()
-        norms.backbone, norms.tables = backbone, table_sq ** 0.5
-        norms.total = (backbone ** 2 + table_sq) ** 0.5
-        return torch.tensor(norms.total * scale, device=zero_optimizer.device)
-
-    zero_optimizer.scaled_global_norm = global_norm
+    ds_engine.DeepSpeedEngine._do_optimizer_sanity_check = zero_rather_than_bf16
+    try:
+        yield
+    finally:
+        ds_engine.DeepSpeedEngine._do_optimizer_sanity_check = choose
 
 
 @contextlib.contextmanager
@@ -165,7 +176,8 @@ def check_table_memory(tables, placement: str, shards: int = 1) -> None:
 
 
 def build_engine(model: torch.nn.Module, recipe: Recipe):
-    """Wrap `model` in a DeepSpeed engine; returns (engine, table optimizer, norms)."""
+    """Wrap `model` in a DeepSpeed engine; returns (engine, table optimizer, the step's
+    update: training/update.py)."""
     ops.start_deepspeed(cpu_adam=recipe.optimizer.offload)  # the tables load theirs
     import deepspeed
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -181,7 +193,7 @@ def build_engine(model: torch.nn.Module, recipe: Recipe):
             module.sparse_grad = True
             if module.placement == "host":
                 host_tables.append(module)
-    with _out_of_module(host_tables):
+    with _out_of_module(host_tables), _zero_optimizer_for_fp32_grads():
         engine, optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=_dense_optimizer(recipe, decay, no_decay),
             config=deepspeed_config(recipe, ps.get_data_parallel_world_size()),
@@ -195,19 +207,8 @@ def build_engine(model: torch.nn.Module, recipe: Recipe):
             host_tables, device(), torch.bfloat16 if recipe.train.dtype == "bf16" else
             torch.float32, cache_rows=tab.cache_rows, gather_threads=tab.gather_threads)
     table_optimizer = TableOptimizer(
-        tables, update=tab_opt.update, lr_mult=tab_opt.lr_mult,
+        tables, TableLayout.of(recipe), lr_mult=tab_opt.lr_mult,
         weight_decay=tab_opt.weight_decay, betas=(opt.beta1, opt.beta2), eps=opt.eps,
-        kernel=tab_opt.kernel,
         dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
-        host=host, partition=tab.partition, overlap=tab.overlap,
-        state_device=str(device()) if tab_opt.device == "accelerator" else "cpu")
-    norms = GradNorms()
-    _include_tables_in_grad_norm(optimizer, table_optimizer, norms)
-    return engine, table_optimizer, norms
-
-
-def clip_coefficient(norms: GradNorms, clip_grad: float) -> float:
-    """The factor DeepSpeed applied to the backbone grads; the tables get the same."""
-    if clip_grad <= 0 or norms.total <= clip_grad:
-        return 1.0
-    return clip_grad / (norms.total + 1e-6)
+        host=host)
+    return engine, table_optimizer, Update(engine, table_optimizer, opt.clip_grad)

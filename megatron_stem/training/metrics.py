@@ -105,6 +105,11 @@ class Metrics:
         if line:
             print(line, file=sys.stdout, flush=True)
 
+    def error(self, message: str) -> None:
+        """The run's one `error:` line (rank 0), on stderr."""
+        if self.enabled:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

@@ -9,9 +9,12 @@ import json
 import os
 import resource
 import signal
+import sys
+import time
 
 from common import TINY
 from megatron_stem.config import Recipe, apply_overrides, from_dict
+from megatron_stem.errors import cli
 from megatron_stem.train import run
 
 
@@ -41,6 +44,38 @@ class StopDuringStartup(VocabOnlyTokenizer):
         self._identifiers = value
 
 
+def delay_the_rest(seconds: float) -> None:
+    """`tables.overlap: next_step` runs the rows the next step reads first and the rest
+    in the background: hold the rest back, so the next forward surely runs before it."""
+    from megatron_stem.training.tables.overlap import Overlap
+
+    run = Overlap._run
+
+    def delayed(self, job):
+        if job.name.endswith("other rows"):
+            time.sleep(seconds)
+        run(self, job)
+    Overlap._run = delayed
+
+
+def plant_nan(step: int) -> None:
+    """Rank 1's own row gradients of its first table get a NaN at `step`."""
+    import torch.distributed as dist
+
+    from megatron_stem.training.tables.optimizer import TableOptimizer
+
+    take, calls = TableOptimizer._local_row_grads, [0]
+
+    def planted(self):
+        ids, grads = take(self)
+        calls[0] += 1
+        if calls[0] == step and dist.get_rank() == 1:
+            grads[0][0, 0] = float("nan")
+        return ids, grads
+    TableOptimizer._local_row_grads = planted
+
+
+@cli
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True)
@@ -49,6 +84,11 @@ def main():
                     help="rank 0 sends itself SIGUSR1 after this step; -1: during start-up")
     ap.add_argument("--rss", action="store_true",
                     help="each rank writes its peak RSS after every step to OUT.rss<rank>")
+    ap.add_argument("--plant-nan", type=int, default=0,
+                    help="a NaN in rank 1's first table's row gradients at this step")
+    ap.add_argument("--delay-rest", type=float, default=0.0,
+                    help="seconds the overlapped table update waits before the rows the "
+                         "next step does not read: a wrong split of the rows then shows")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     data = {"model": {**TINY, "stem_layers": "1/2"},
@@ -67,6 +107,10 @@ def main():
         if step == args.preempt_at and int(os.environ["RANK"]) == 0:
             os.kill(os.getpid(), signal.SIGUSR1)
 
+    if args.delay_rest:
+        delay_the_rest(args.delay_rest)
+    if args.plant_nan:
+        plant_nan(args.plant_nan)
     tokenizer = (StopDuringStartup if args.preempt_at < 0 else VocabOnlyTokenizer)(
         recipe.model.vocab_size)
     result = run(recipe, tokenizer, on_step)
@@ -80,4 +124,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

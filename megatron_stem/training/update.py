@@ -1,0 +1,168 @@
+"""The end of a training step, in one place: the order every optimizer of the run follows.
+
+After the last micro-batch's backward (`Update.apply`):
+
+1. the tables' row gradients are averaged over data parallel (`TableOptimizer.sync_grads`);
+2. the global gradient norm over backbone and tables: DeepSpeed's ZeRO optimizer computes
+   the backbone's inside its step and calls the norm hook installed here, which adds the
+   tables' share (`grad_norm_sq`); both are then clipped by the same coefficient;
+3. the backbone's step (DeepSpeed), then the tables' step (the same learning-rate
+   schedule, times `optimizer.tables.lr_mult`).
+
+A step whose loss (the data-parallel mean), backbone norm or table norm is not finite is
+skipped whole, on every rank alike (the loss and the norms are the same on every rank:
+they are reduced over all of them): the hook hands DeepSpeed an infinite norm, which makes
+its ZeRO optimizer drop the gradients without stepping (`bf16.check_grad_overflow` on;
+fp32 always), and the tables drop theirs. No parameter, moment, table row or optimizer
+step count changes. The step's outcome says which part was not finite.
+
+DeepSpeed's own checks guard the seam: the hook must have been called in the step
+(a DeepSpeed release that stopped calling `scaled_global_norm` would otherwise leave the
+tables unclipped), and DeepSpeed must have skipped exactly the steps asked to be skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class GradNorms:
+    """A step's gradient norms (unscaled): backbone, tables, and the global one."""
+
+    backbone: float = 0.0
+    tables: float = 0.0
+    total: float = 0.0
+
+
+@dataclass
+class Outcome:
+    """What the update did: `applied`, or skipped because `nonfinite` names parts (of
+    "loss", "backbone", "tables") that were not finite."""
+
+    norms: GradNorms
+    nonfinite: tuple[str, ...] = ()
+    ranks: str = ""  # a skipped step: which ranks' own values were not finite
+
+    @property
+    def applied(self) -> bool:
+        return not self.nonfinite
+
+
+def _valid_norm(value: float) -> bool:
+    """A norm that can be trained on: DeepSpeed reports an invalid one as inf (its group
+    norms as -1), a NaN gradient gives NaN."""
+    return math.isfinite(value) and value >= 0
+
+
+def clip_coefficient(total: float, clip_grad: float) -> float:
+    """The factor DeepSpeed applies to the backbone's gradients; the tables get the same."""
+    if clip_grad <= 0 or total <= clip_grad:
+        return 1.0
+    return clip_grad / (total + 1e-6)
+
+
+def _whose(local_loss: float, local_tables_finite: bool) -> str:
+    """Which ranks' own loss or table gradients were not finite (a skipped step, on every
+    rank at once: one all-gather of two flags). The backbone's gradients are only seen
+    after DeepSpeed's reduction over data parallel, which mixes the ranks'."""
+    import torch.distributed as dist
+
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, (math.isfinite(local_loss), local_tables_finite))
+    parts = [f"rank {r}'s {what}" for r, (loss_ok, tables_ok) in enumerate(flags)
+             for what, ok in (("loss", loss_ok), ("table gradients", tables_ok)) if not ok]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+class NormHook:
+    """The tables in DeepSpeed's global norm: its ZeRO-1/2 optimizer computes the
+    (loss-scaled) backbone norm in `scaled_global_norm` and clips its partitions by what
+    that returns. The hook replaces the method on that optimizer instance: it returns the
+    norm over backbone and tables (infinite for a step to skip) and records the parts."""
+
+    def __init__(self, zero_optimizer, tables):
+        self.zero_optimizer, self.tables = zero_optimizer, tables
+        self._backbone_norm = zero_optimizer.scaled_global_norm
+        zero_optimizer.scaled_global_norm = self
+        self.calls = 0
+        self.loss_finite = True
+        self.norms = GradNorms()
+        self.nonfinite: tuple[str, ...] = ()
+
+    def __call__(self, norm_type=2):
+        self.calls += 1
+        scale = float(getattr(self.zero_optimizer, "loss_scale", 1.0))
+        backbone = float(self._backbone_norm(norm_type)) / scale
+        table_sq = self.tables.grad_norm_sq()
+        self.nonfinite = tuple(name for name, ok in (
+            ("loss", self.loss_finite), ("backbone", _valid_norm(backbone)),
+            ("tables", _valid_norm(table_sq))) if not ok)
+        total = (backbone ** 2 + table_sq) ** 0.5 if not self.nonfinite else math.inf
+        self.norms = GradNorms(backbone, table_sq ** 0.5, total)
+        return torch.tensor(total * scale, device=self.zero_optimizer.device)
+
+
+class Update:
+    """The end of every step (module docstring): `apply` after the last backward."""
+
+    def __init__(self, engine, tables, clip_grad: float):
+        self.engine, self.tables, self.clip_grad = engine, tables, clip_grad
+        self.hook = NormHook(engine.optimizer, tables)
+
+    @property
+    def norms(self) -> GradNorms:
+        return self.hook.norms
+
+    def apply(self, lr: float, loss: float,
+              next_ids: Optional[list[torch.Tensor]] = None,
+              local_loss: Optional[float] = None) -> Outcome:
+        """The update of a step whose data-parallel mean loss is `loss` (`local_loss`: this
+        rank's); `next_ids`: the next step's token ids (an overlapped table update puts
+        their rows first)."""
+        engine = self.engine
+        if not engine.is_gradient_accumulation_boundary():
+            raise RuntimeError("Update.apply: not at DeepSpeed's gradient accumulation "
+                               "boundary (train.global_batch_size / micro-batches mismatch)")
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr
+        self.tables.sync_grads()
+        self.hook.loss_finite = math.isfinite(loss)
+        calls = self.hook.calls
+        engine.step()
+        outcome = self._outcome(self.hook.calls - calls, not engine.was_step_applied(),
+                                math.isfinite(loss))
+        if outcome.applied:
+            self.tables.step(lr, clip_coefficient(outcome.norms.total, self.clip_grad),
+                             next_ids)
+        else:
+            self.tables.skip()
+            outcome.ranks = _whose(loss if local_loss is None else local_loss,
+                                   self.tables.local_grads_finite())
+        return outcome
+
+    def _outcome(self, hook_calls: int, skipped: bool, loss_finite: bool) -> Outcome:
+        """The step's outcome from what DeepSpeed did, checked against what it was asked."""
+        if hook_calls == 0 and skipped:
+            # DeepSpeed's own overflow check (bf16) found inf/NaN in the backbone's
+            # gradients and skipped before computing any norm (on every rank: the check
+            # is reduced over all of them).
+            nan = math.nan
+            return Outcome(GradNorms(nan, nan, nan),
+                           ("backbone",) + (() if loss_finite else ("loss",)))
+        if hook_calls != 1:
+            raise RuntimeError(
+                f"DeepSpeed's step called the gradient-norm hook {hook_calls} times, not "
+                "once: this DeepSpeed release computes the norm elsewhere, so the tables "
+                "would not be clipped by the backbone's norm (training/update.py)")
+        outcome = Outcome(self.hook.norms, self.hook.nonfinite)
+        if skipped != (not outcome.applied):
+            raise RuntimeError(
+                f"DeepSpeed {'skipped' if skipped else 'applied'} a step whose gradients "
+                f"were {'finite' if outcome.applied else 'not finite'}: the backbone and "
+                "the tables would part ways (training/update.py)")
+        return outcome
