@@ -38,7 +38,7 @@ from megatron_stem.model import build_model
 from megatron_stem.model.row_cache import RowCache
 from megatron_stem.parallel import destroy_distributed, init_distributed
 from megatron_stem.train import train_step
-from megatron_stem.training.engine import build_engine, clip_coefficient
+from megatron_stem.training.engine import build_engine
 from megatron_stem.training.host_tables import HostTableStore, gather_rows
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,25 +153,24 @@ def bench_step(args, ids) -> None:
             placement=placement, cache_rows=cache, gather_threads=args.gather_threads))
         torch.manual_seed(0)
         net = build_model(recipe.model, recipe.parallel, tables=recipe.tables)
-        engine, tables, norms = build_engine(net, recipe)
+        engine, tables, update = build_engine(net, recipe)
         if tables.host is not None:
             tables.host.lookahead = lookahead
-        return engine, tables, norms, []
+        return update, tables, []
 
     def one_step(run, i, mbs):
-        engine, tables, norms, times = run
+        update, tables, times = run
         if i == 1:
             tables.host_stats()  # the first step allocates state: not measured
         start = time.perf_counter()
-        train_step(engine, tables, mbs)
-        tables.step(1e-3, clip_coefficient(norms, 1.0))
+        train_step(update, mbs, 1e-3)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         if i:
             times.append(time.perf_counter() - start)
 
     def finish(run):
-        _, tables, _, times = run
+        _, tables, times = run
         result = (min(times), statistics.median(times), tables.host_stats())
         tables.close()
         return result

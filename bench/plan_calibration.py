@@ -144,36 +144,38 @@ class PartTimer:
                 setattr(obj, method, own)
 
 
-def timed_step(engine, tables, norms, mbs, next_mbs=None, clock="cpu") -> dict:
-    """train.train_step + TableOptimizer.step (given the next step's ids, as the trainer
-    does for `overlap: next_step`), each part timed in both clocks: forward/backward,
-    DeepSpeed's gradient reduction (in the boundary backward), the tables' gradient sync,
-    DeepSpeed's step, the tables' Adam and their rows' publication (the all-gathers to
-    the other ranks' tables). In CPU time a `next_step` update is waited for in the
-    table step: CPU time counts its work wherever it runs."""
+def timed_step(update, mbs, next_mbs=None) -> dict:
+    """train.train_step (given the next step's ids, as the trainer does for `overlap:
+    next_step`), each part timed in both clocks: forward/backward, DeepSpeed's gradient
+    reduction (in the boundary backward), the tables' gradient sync, DeepSpeed's step, the
+    tables' Adam and their rows' publication (the all-gathers to the other ranks'
+    tables). A `next_step` update is waited for in the table step, in both clocks: its
+    parts are measured whole (CPU time counts its work wherever it runs), and it does not
+    run into the next step's timing (what the overlap hides is the planner's model, not a
+    part measured here)."""
     from megatron_stem.train import _token_mean_loss
-    from megatron_stem.training.engine import clip_coefficient
 
+    engine, tables = update.engine, update.tables
+    shards = getattr(tables.partition, "shards", None)
     t = PartTimer()
     with contextlib.ExitStack() as stack:
         stack.enter_context(t.charged(engine, "allreduce_gradients", "backbone_reduce"))
-        if tables.shards is not None:
+        if shards is not None:
             for publish in ("gather_shards", "gather_rows"):
-                stack.enter_context(t.charged(tables.shards, publish, "publish"))
+                stack.enter_context(t.charged(shards, publish, "publish"))
         tables.stage(mbs)
         t.lap("compute")
-        for mb in mbs:
+        for i, mb in enumerate(mbs):
             engine.backward(_token_mean_loss(engine, mb))
             t.lap("compute")
-            if engine.is_gradient_accumulation_boundary():
-                tables.sync_grads()
-                t.lap("sync")
-            engine.step()
-            t.lap("backbone_step")
+            if i + 1 < len(mbs):
+                engine.step()
+                t.lap("backbone_step")
         next_ids = [mb["tokens"] for mb in next_mbs] if next_mbs else None
-        tables.step(1e-3, clip_coefficient(norms, 1.0), next_ids=next_ids)
-        if clock == "cpu":
-            tables.finish()
+        with t.charged(tables, "sync_grads", "sync"), \
+                t.charged(engine, "step", "backbone_step"):
+            update.apply(1e-3, 1.0, next_ids)  # the rest of it: the tables' step
+        tables.finish()
         t.lap("table_adam")
     for c in (t.wall, t.cpu):
         c.setdefault("publish", 0.0)
@@ -204,12 +206,12 @@ def worker(args) -> None:
     for variant in args.variants.split(","):
         recipe = _recipe(variant, dp, args.microbatches, args.preset, args.kernel)
         torch.manual_seed(0)
-        engine, tables, norms = build_engine(build_model(
+        engine, tables, update = build_engine(build_model(
             recipe.model, recipe.parallel, tables=recipe.tables), recipe)
         times, rows = [], []
         for i, (mbs, next_mbs) in enumerate(zip(steps, steps[1:])):
             dist.barrier()
-            t = timed_step(engine, tables, norms, mbs, next_mbs, args.clock)
+            t = timed_step(update, mbs, next_mbs)
             stats = tables.stats()  # waits for a next_step update: its counters are in
             t["comm_bytes"], t["adam_elements"] = stats["comm_bytes"], stats["adam_elements"]
             if i:  # the first step allocates the optimizer states
@@ -220,7 +222,7 @@ def worker(args) -> None:
                                                           for x in tokens),
                          "union_rows": tables.touched_rows})
         tables.close()
-        del engine, tables, norms
+        del engine, tables, update
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -17,7 +17,7 @@ from megatron_stem.config import ModelConfig, ParallelConfig, Recipe, TrainConfi
 from megatron_stem.model import build_model
 from megatron_stem.parallel import destroy_distributed, device, init_distributed
 from megatron_stem.train import train_step
-from megatron_stem.training.engine import build_engine, clip_coefficient
+from megatron_stem.training.engine import build_engine
 
 
 def _synchronize() -> None:
@@ -27,7 +27,7 @@ def _synchronize() -> None:
 
 def tokens_per_s(recipe: Recipe, steps: int) -> float:
     model = build_model(recipe.model, recipe.parallel)
-    engine, tables, norms = build_engine(model, recipe)
+    engine, tables, update = build_engine(model, recipe)
     t = recipe.train
     g = torch.Generator().manual_seed(0)
     seq = torch.randint(0, recipe.model.vocab_size,
@@ -41,8 +41,7 @@ def tokens_per_s(recipe: Recipe, steps: int) -> float:
         if i == 1:  # the first step allocates optimizer state
             _synchronize()
             start = time.perf_counter()
-        train_step(engine, tables, batches)
-        tables.step(1e-3, clip_coefficient(norms, recipe.optimizer.clip_grad))
+        train_step(update, batches, 1e-3)
     _synchronize()
     return steps * t.global_batch_size * recipe.model.seq_length / (time.perf_counter() - start)
 

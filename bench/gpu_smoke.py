@@ -1,0 +1,147 @@
+"""The tables' GPU-only paths, checked on one GPU before anything is timed (the first stage
+of bench/gpu/run_all.sh: 1-2 minutes).
+
+    python bench/gpu_smoke.py [--steps 6] [--dry-run]
+
+Each variant trains the same STEM model on the same random token batches in this process
+(one DeepSpeed engine at a time, released before the next), through `train.train_step`:
+
+* bf16 through DeepSpeed: bf16 parameters and tables (so the tables' fp32 master is a
+  copy of its own), gradients accumulated and reduced in fp32 by DeepSpeed's ZeRO
+  optimizer, the state sharded in CPU memory (DeepSpeed's CPU Adam): the loss falls;
+* the tables' state on the accelerator (torch's Adam there) against CPU memory: close;
+* `tables.overlap: next_step` (a second thread and CUDA stream, events, recorded tensors)
+  against `none`, with deterministic algorithms and the math attention kernel: the same
+  losses bit for bit;
+* host placement (a pinned staging buffer, the side stream, the hot-row cache) against
+  device placement: close.
+
+Prints one line per check (the losses' largest relative difference) and exits 1 if one
+fails. `--dry-run`: the same at toy sizes on a CPU (the CI suite runs it).
+"""
+
+import argparse
+import contextlib
+import gc
+import os
+import sys
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts: cuBLAS
+import torch  # noqa: E402
+
+TOY = dict(hidden_size=64, num_layers=4, num_attention_heads=4, num_query_groups=2,
+           ffn_hidden_size=128, vocab_size=512, seq_length=64)
+GPU = dict(hidden_size=1024, num_layers=4, num_attention_heads=16, num_query_groups=4,
+           ffn_hidden_size=4096, vocab_size=32768, seq_length=1024)
+VARIANTS = {  # name: recipe overrides of the bf16 STEM baseline below
+    "cpu_state": {},
+    "accelerator_state": {"optimizer": {"tables": {"device": "accelerator"}}},
+    "overlap_none": {"tables": {"overlap": "none"}},
+    "overlap_next_step": {"tables": {"overlap": "next_step"}},
+    "device": {},
+    "host": {"tables": {"placement": "host", "partition": "sharded", "cache_rows": 256}},
+}
+
+
+def recipe(model: dict, overrides: dict):
+    from megatron_stem.config import Recipe, _deep_merge, from_dict
+
+    base = {"model": {**model, "stem_layers": "1/2"},
+            "optimizer": {"lr": 3e-3, "warmup_steps": 0, "clip_grad": 1.0,
+                          "tables": {"update": "dense", "device": "cpu"}},
+            "tables": {"placement": "device", "partition": "sharded"},
+            "train": {"micro_batch_size": 2, "global_batch_size": 8, "dtype": "bf16"}}
+    return from_dict(Recipe, _deep_merge(base, overrides))
+
+
+def batches(model: dict, steps: int, per_step: int, micro: int) -> list[list[dict]]:
+    from megatron_stem.parallel import device
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        # Zipf-like ids, so the rows of a step repeat as text's do
+        ids = (torch.rand(per_step, micro, model["seq_length"] + 1, generator=g) ** 3
+               * model["vocab_size"]).long().to(device())
+        out.append([{"tokens": w[:, :-1], "labels": w[:, 1:],
+                     "loss_mask": torch.ones(w[:, 1:].shape, device=w.device)} for w in ids])
+    return out
+
+
+def train(model: dict, overrides: dict, data, deterministic: bool) -> dict:
+    """Losses of a fresh engine over `data`; the engine is released before returning."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megatron_stem.model import build_model
+    from megatron_stem.train import train_step
+    from megatron_stem.training.engine import build_engine
+
+    r = recipe(model, overrides)
+    torch.manual_seed(0)
+    engine, tables, update = build_engine(build_model(r.model, r.parallel, tables=r.tables), r)
+    zero = engine.optimizer
+    facts = {"optimizer": type(zero).__name__,
+             "grad_accum": str(getattr(zero, "gradient_accumulation_dtype", None)),
+             "table_dtype": str(tables.tables[0].param.dtype),
+             "master": "separate" if tables.tables[0].separate else "the table"}
+    losses = []
+    with sdpa_kernel(SDPBackend.MATH) if deterministic else contextlib.nullcontext():
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)
+        for mbs, upcoming in zip(data, data[1:] + [None]):
+            loss, outcome = train_step(update, mbs, 3e-3,
+                                       upcoming and [mb["tokens"] for mb in upcoming])
+            losses.append(loss if outcome.applied else float("nan"))
+        tables.finish()
+        torch.use_deterministic_algorithms(False)
+    tables.close()
+    del engine, tables, update, zero
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return {"losses": losses, **facts}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--dry-run", action="store_true", help="toy sizes on a CPU")
+    args = ap.parse_args(argv)
+    from megatron_stem.config import ParallelConfig
+    from megatron_stem.parallel import destroy_distributed, init_distributed
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_smoke: no GPU (use --dry-run on a CPU)", file=sys.stderr)
+        return 2
+    model = TOY if args.dry_run else GPU
+    init_distributed(ParallelConfig())
+    data = batches(model, args.steps, 4, 2)
+    runs = {name: train(model, o, data, deterministic=name.startswith("overlap"))
+            for name, o in VARIANTS.items()}
+    destroy_distributed()
+    base = runs["cpu_state"]
+
+    def close(a: str, b: str, rel: float | None = 2e-2) -> tuple[bool, str]:
+        """Losses of variants `a` and `b` within `rel` (None: bit for bit)."""
+        x, y = runs[a]["losses"], runs[b]["losses"]
+        diff = max(abs(p - q) / max(abs(q), 1e-12) for p, q in zip(x, y))
+        return (x == y if rel is None else diff < rel), f"max relative difference {diff:.2e}"
+
+    checks = [
+        ("bf16 through DeepSpeed: fp32 accumulation, a separate fp32 master, the loss falls",
+         base["optimizer"] == "DeepSpeedZeroOptimizer" and base["grad_accum"] ==
+         "torch.float32" and base["table_dtype"] == "torch.bfloat16" and
+         base["master"] == "separate" and base["losses"][-1] < base["losses"][0],
+         f"losses {base['losses'][0]:.3f} -> {base['losses'][-1]:.3f}"),
+        ("state on the accelerator vs CPU memory: close", *close("accelerator_state",
+                                                                 "cpu_state")),
+        ("next_step vs none, deterministic: bit for bit",
+         *close("overlap_next_step", "overlap_none", rel=None)),
+        ("host vs device placement: close", *close("host", "device")),
+    ]
+    for name, passed, detail in checks:
+        print(f"{'ok  ' if passed else 'FAIL'} {name} ({detail})", flush=True)
+    return 0 if all(passed for _, passed, _ in checks) else 1
+
+if __name__ == "__main__":
+    sys.exit(main())
