@@ -149,6 +149,7 @@ def test_varlen_path_packs_megatron_layout_like_the_dense_path(monkeypatch, batc
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.integration  # a torchrun job
 def test_tensor_parallel_2_with_sequence_parallel_and_recompute(world1, tmp_path):
     """TP=2 + SP + full recompute on documents against this process's TP=1 run of the same
     seeded model: logits, loss and every gradient."""
