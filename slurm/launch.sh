@@ -252,7 +252,7 @@ elif (( _stem_rc == 0 )); then
     exit 0
 else
     stem_log "FAILED after $_stem_elapsed: a training process failed and srun stopped every node (exit code $_stem_rc)." \
-        "The first error above names the node and rank (srun's 'error:' line, torchrun's 'Root Cause', a Traceback)." \
+        "The first 'stem: <node>: rank N ... failed' line above names the rank that failed first (the others failed in its broken collectives; its Traceback is above too)." \
         "Resubmitting resumes from the latest checkpoint: $(_stem_latest)"
     exit "$_stem_rc"
 fi

@@ -14,12 +14,14 @@ through the ${a[@]+"${a[@]}"} idiom.
 
 import os
 import re
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, subprocess_env
 
 LAUNCH = ROOT / "slurm" / "launch.sh"
 
@@ -88,6 +90,9 @@ EIGHT_GPUS = {
     "gres:type:count": dict(SLURM_GPUS_PER_NODE="gpu:h100:8"),
     "two types": dict(SLURM_GPUS_PER_NODE="a100:4,v100:4"),
     "--gpus=16": dict(SLURM_GPUS="16", SLURM_GPUS_ON_NODE="8", SLURM_JOB_GPUS="0,1,2,3,4,5,6,7"),
+    # --exclusive gives a job all of a node's GPUs, whatever --gpus-per-node asked
+    "--exclusive --gpus-per-node=2": dict(SLURM_GPUS_ON_NODE="8", SLURM_GPUS_PER_NODE="2",
+                                          SLURM_JOB_GPUS="0,1,2,3,4,5,6,7"),
 }
 
 
@@ -125,6 +130,34 @@ def test_gpus_that_cannot_be_split_into_ranks_are_one_error_line(tmp_path, env, 
     proc, args = _run_launch(tmp_path, **env)
     assert proc.returncode == 2 and args == []
     assert proc.stderr.strip().splitlines() == [f"stem: error: {line}"]
+
+
+FAILING_RANKS = """
+import os, signal, sys, time
+if os.environ["LOCAL_RANK"] == "0":
+    sys.exit(3)
+def stop(*_):  # as the trainer does: a stop signal ends the step first
+    print("rank 1 got SIGTERM", file=sys.stderr, flush=True)
+    time.sleep(1)
+    sys.exit(1)
+signal.signal(signal.SIGTERM, stop)
+time.sleep(60)
+"""
+
+
+@pytest.mark.integration  # runs torchrun
+def test_torchrun_names_a_failed_rank_before_stopping_the_others(tmp_path):
+    """torchrun's own report comes only once the node's other ranks are stopped; by then
+    another node's may have come first and srun killed this one (docs/slurm.md)."""
+    script = tmp_path / "ranks.py"
+    script.write_text(FAILING_RANKS)
+    proc = subprocess.run([sys.executable, str(ROOT / "slurm" / "torchrun.py"), "--standalone",
+                           "--nproc-per-node=2", str(script)], capture_output=True, text=True,
+                          timeout=120, env=subprocess_env())
+    said = f"stem: {socket.gethostname()}: rank 0 (local rank 0) failed: exit code 3; " \
+           "stopping the node's other ranks"
+    assert proc.returncode == 1 and said in proc.stderr, proc.stderr
+    assert proc.stderr.index(said) < proc.stderr.index("rank 1 got SIGTERM")
 
 
 def test_arrays_that_can_be_empty_expand_safely_under_bash_4_2():
