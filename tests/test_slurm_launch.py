@@ -133,14 +133,18 @@ def test_gpus_that_cannot_be_split_into_ranks_are_one_error_line(tmp_path, env, 
 
 
 FAILING_RANKS = """
-import os, signal, sys, time
+import os, pathlib, signal, sys, time
+ready = pathlib.Path(sys.argv[1])
 if os.environ["LOCAL_RANK"] == "0":
+    while not ready.exists():  # rank 1 handles SIGTERM
+        time.sleep(0.05)
     sys.exit(3)
 def stop(*_):  # as the trainer does: a stop signal ends the step first
     print("rank 1 got SIGTERM", file=sys.stderr, flush=True)
     time.sleep(1)
     sys.exit(1)
 signal.signal(signal.SIGTERM, stop)
+ready.touch()
 time.sleep(60)
 """
 
@@ -152,7 +156,8 @@ def test_torchrun_names_a_failed_rank_before_stopping_the_others(tmp_path):
     script = tmp_path / "ranks.py"
     script.write_text(FAILING_RANKS)
     proc = subprocess.run([sys.executable, str(ROOT / "slurm" / "torchrun.py"), "--standalone",
-                           "--nproc-per-node=2", str(script)], capture_output=True, text=True,
+                           "--nproc-per-node=2", str(script), str(tmp_path / "ready")],
+                          capture_output=True, text=True,
                           timeout=120, env=subprocess_env())
     said = f"stem: {socket.gethostname()}: rank 0 (local rank 0) failed: exit code 3; " \
            "stopping the node's other ranks"
