@@ -92,3 +92,4 @@ def test_prune_leaves_the_kept_checkpoint(tmp_path):
                                                           checkpoint.iter_name(5)]
     checkpointing.point_latest(tmp_path, good)
     assert (tmp_path / checkpoint.LATEST).read_text().strip() == checkpoint.iter_name(2)
+

@@ -209,3 +209,16 @@ def test_a_stuck_job_is_named_and_the_rank_exits_non_zero(tmp_path):
                           timeout=60, env=subprocess_env())
     assert proc.returncode == 1 and "stuck in stuck after" in proc.stderr
     assert time.perf_counter() - start < 30
+
+
+def test_table_states_in_another_row_order_are_refused(tmp_path):
+    """The saved row order has a version; a checkpoint in another one is refused in one
+    line (its Adam moments would land on other rows)."""
+    from megatron_stem.errors import UserError
+    from megatron_stem.training.tables.shards import ROW_ORDER, check_row_order
+
+    check_row_order(ROW_ORDER, tmp_path)
+    check_row_order(None, tmp_path)  # saved before the version was written: this order
+    with pytest.raises(UserError, match=rf"^{tmp_path}: its table optimizer states are in "
+                                        rf"row order {ROW_ORDER + 1}, this version reads"):
+        check_row_order(ROW_ORDER + 1, tmp_path)

@@ -45,9 +45,10 @@ from megatron_stem.errors import ConfigError, UserError
 from megatron_stem.training.tables.comm import Comm
 
 ID_BYTES = 8  # int64 row ids and counts
-# The row order of saved table states: positions of `interleaved_order`. A change to the
-# walk is a new name; a checkpoint saved in another order is refused (`check_row_order`).
-ROW_ORDER = "golden-ratio-walk-1"
+# The row order of saved table states, a version number (the train state holds numbers
+# only): 1, positions of `interleaved_order`'s golden-ratio walk. A change to the walk is
+# a new number; a checkpoint saved in another order is refused (`check_row_order`).
+ROW_ORDER = 1
 
 
 @dataclass
@@ -85,12 +86,12 @@ def interleaved_order(vocab: int) -> torch.Tensor:
     return torch.arange(vocab, dtype=torch.long) * stride % vocab
 
 
-def check_row_order(saved: str | None, where) -> None:
+def check_row_order(saved: int | None, where) -> None:
     """Refuse table states saved in another row order than `ROW_ORDER` (None: a
     checkpoint from before the order was recorded, which is this order)."""
     if saved is not None and saved != ROW_ORDER:
-        raise UserError(f"{where}: its table optimizer states are in row order {saved!r}, "
-                        f"this version reads {ROW_ORDER!r}; resume it with the version that "
+        raise UserError(f"{where}: its table optimizer states are in row order {saved}, this "
+                        f"version reads order {ROW_ORDER}; resume it with the version that "
                         "saved it, or start from its weights (train.init_from)")
 
 
