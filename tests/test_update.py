@@ -125,6 +125,16 @@ def test_bf16_accumulates_and_reduces_gradients_in_fp32():
     assert config["data_types"] == {"grad_accum_dtype": "fp32"}
     assert config["communication_data_type"] == "fp32"
     assert "data_types" not in deepspeed_config(_recipe("fp32"), dp_size=1)
+    # The backbone's reduction overlaps the (last) backward, in buckets of Megatron-LM's
+    # size, capped at the backbone's (DeepSpeed allocates two whole buckets).
+    from megatron_stem.accounting import account
+
+    zero = config["zero_optimization"]
+    assert zero["overlap_comm"] and zero["contiguous_gradients"]
+    assert zero["reduce_bucket_size"] == account(recipe.model).active_params
+    big = from_dict(Recipe, {"model": {**TINY, "vocab_size": 250_000, "hidden_size": 256,
+                                       "num_attention_heads": 4}})
+    assert deepspeed_config(big, 64)["zero_optimization"]["reduce_bucket_size"] == 64_000_000
     engine, tables, update, batches = _built(recipe)
     zero = engine.optimizer
     assert type(zero).__name__ == "DeepSpeedZeroOptimizer"  # not BF16_Optimizer

@@ -33,7 +33,7 @@ import torch
 from megatron_stem import parallel
 from megatron_stem.training.row_grads import RowGradSum, row_grads_of, take_same_rows
 from megatron_stem.training.tables.adam import AdamKernel
-from megatron_stem.training.tables.comm import Comm, Devices, tracked
+from megatron_stem.training.tables.comm import Comm, Devices, HostStaging, tracked
 from megatron_stem.training.tables.layout import TableLayout
 from megatron_stem.training.tables.overlap import Job, Overlap
 from megatron_stem.training.tables.partition import (Partition, Replicated, RowSharded,
@@ -85,6 +85,7 @@ class TableOptimizer:
             raise ValueError("tables.placement: host needs the HostTableStore (and only it)")
         self.layout, self.lr_mult, self.weight_decay = layout, lr_mult, weight_decay
         self.devices = devices or Devices(parallel.device())
+        self._staging = HostStaging(self.devices)
         self.host = host
         self.kernel = AdamKernel(layout.adam_kernel, betas, eps)
         self.partition = _partition(layout, tables[0][1].shape[0], self.devices, dp_group,
@@ -100,6 +101,7 @@ class TableOptimizer:
             for t in self.tables:
                 row_grads_of(t.param)
         self.counters = TrafficCounters()  # what the last step moved (see `stats`)
+        self._finished = self.counters.as_dict()
         self.touched_rows = 0  # distinct rows in the last sync_grads (all DP ranks)
         self.rank_rows = 0  # ... of this rank's micro-batches
         self._norm_ids = self._squares = None  # after sync_grads: for `grad_norm_sq`
@@ -109,17 +111,22 @@ class TableOptimizer:
     def state_on_host(self) -> bool:
         return not self.layout.state_on_accelerator
 
-    def stats(self) -> dict[str, float]:
+    def stats(self, wait: bool = True) -> dict[str, float]:
         """This rank's figures for the last step's table path (logged as `tables/*`):
         what it moved (`TrafficCounters`), the distinct rows over data parallel, and the
-        memory of the optimizer state it holds (its share of a shared copy's)."""
-        self.finish()
+        memory of the optimizer state it holds (its share of a shared copy's). `wait`:
+        for an overlapped update still running, wait for it; else (the trainer's log, which
+        must not stall the step it overlaps) the last finished update's counters."""
+        if wait:
+            self.finish()
+        running = self.overlap is not None and self.overlap.running_jobs
+        counters = self._finished if running else self.counters.as_dict()
         state = sum((t.master.numel() * 4 if t.separate else 0) +
                     (t.exp_avg.numel() + t.exp_avg_sq.numel()) * 4 for t in self.tables)
         if isinstance(self.partition, SharedHostCopy):
             state //= self.partition.copy.size
         where = "cpu" if self.state_on_host else "accelerator"
-        return {**self.counters.as_dict(), "unique_rows": self.touched_rows,
+        return {**counters, "unique_rows": self.touched_rows,
                 "rank_rows": self.rank_rows, f"{where}_state_bytes": state}
 
     def shard(self) -> tuple[int, int, int, int] | None:
@@ -161,6 +168,7 @@ class TableOptimizer:
         (partition.py), take each row's sum of squares for the norm, then hand the
         gradients to where the optimizer state is."""
         self.finish()
+        self._finished = self.counters.as_dict()  # the last step's, complete
         self.counters.reset()
         self.touched_rows = self.rank_rows = 0
         if not self.tables:
@@ -171,17 +179,21 @@ class TableOptimizer:
         # read only when the step is skipped, to say whose they were (training/update.py).
         self._local_finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
         local, grads, self.touched_rows = self.partition.sync(ids, grads, self.counters)
+        # The norm's squares where the gradients are, before any copy (no pass on the CPU)
         self._squares = torch.stack([g.double().square().sum(1) for g in grads], 1)
         self._norm_ids = self.partition.ids_of(local)
-        rows = self._in_state(local)
+        rows = self._in_state("rows", local)
         for t, g in zip(self.tables, grads):
-            t.rows, t.grad = rows, self._in_state(g.contiguous(), "grad_d2h_bytes")
+            t.rows, t.grad = rows, self._in_state(t.name, g, "grad_d2h_bytes")
 
-    def _in_state(self, tensor: torch.Tensor, counter: str = "") -> torch.Tensor:
-        """`tensor` (on the accelerator) where the optimizer state is."""
+    def _in_state(self, key, tensor: torch.Tensor, counter: str = "") -> torch.Tensor:
+        """`tensor` (on the accelerator) where the optimizer state is: CPU state receives it
+        in a reused pinned buffer, copied while the backbone steps (`HostStaging`; read
+        after `_staging.wait()`), contiguous whatever `tensor`'s strides (a table's columns
+        of all tables' gradients): the layout the row op reads."""
         if self.state_on_host:
-            return self.devices.to_host(tensor, self.counters, counter)
-        return tensor
+            return self._staging.copy(key, tensor, self.counters, counter)
+        return tensor.contiguous()
 
     def _local_row_grads(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """This rank's touched rows (sorted) and, per table, their summed gradients over
@@ -226,6 +238,9 @@ class TableOptimizer:
         self.step_count += 1
         if not self.tables:
             return
+        # The gradients' copies to the host, queued at `sync_grads` before the backbone's
+        # step, have landed by now (their rows are read here, on this thread).
+        self._staging.wait()
         lr = lr * self.lr_mult
         if self.overlap is not None and next_ids is not None:
             self._launch_overlapped(lr, clip_coef, next_ids)
@@ -312,7 +327,7 @@ class TableOptimizer:
         ids = torch.unique(torch.cat([i.flatten() for i in next_ids]))
         needed = self.partition.shards.needed_by_any(self.devices.to_accelerator(ids),
                                                      self.counters)
-        needed = self._in_state(needed)
+        needed = self.devices.to_host(needed) if self.state_on_host else needed
         first, rest = [], []
         for t in self.tables:
             rows = self.partition.dense_rows(self._state_device(t)) \
