@@ -23,7 +23,8 @@ from megatron_stem.model.table import StemTable
 from megatron_stem.parallel import device, local_world_size
 from megatron_stem.training.host_tables import HostTableStore
 from megatron_stem.training.tables.layout import TableLayout
-from megatron_stem.training.tables.optimizer import TableOptimizer, cpu_state_bytes
+from megatron_stem.training.tables.optimizer import TableOptimizer
+from megatron_stem.training.tables.partition import cpu_state_bytes
 from megatron_stem.training.update import Update
 
 

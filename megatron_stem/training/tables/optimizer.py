@@ -31,26 +31,17 @@ from typing import Optional
 import torch
 
 from megatron_stem import parallel
-from megatron_stem.training.row_grads import RowGradSum, row_grads_of, take_same_rows
+from megatron_stem.training.row_grads import row_grads_of, table_row_grads, take_same_rows
 from megatron_stem.training.tables.adam import AdamKernel
+from megatron_stem.training.tables.checkpoint import checkpoint_states, load_states
 from megatron_stem.training.tables.comm import Comm, Devices, HostStaging, tracked
 from megatron_stem.training.tables.layout import TableLayout
 from megatron_stem.training.tables.overlap import Job, Overlap
 from megatron_stem.training.tables.partition import (Partition, Replicated, RowSharded,
                                                      SharedHostCopy, TableState)
-from megatron_stem.training.tables.shards import TrafficCounters
+from megatron_stem.training.tables.shards import TrafficCounters, positions_in
 
 DENSE_CHUNK_BYTES = 64 << 20  # `dense` updates this many bytes of fp32 rows at a time
-
-
-def cpu_state_bytes(tables: list[tuple[str, torch.nn.Parameter]], shards: int = 1) -> int:
-    """CPU memory a device-placement TableOptimizer allocates for `tables` on each rank:
-    two fp32 Adam moments, and an fp32 master unless the table is its own (an fp32 table
-    in CPU memory), of 1/`shards` of the rows (`partition: sharded` over that many
-    data-parallel ranks)."""
-    def own(p):
-        return p.device.type == "cpu" and p.dtype == torch.float32
-    return sum(p.numel() * 4 * (2 if own(p) else 3) for _, p in tables) // shards
 
 
 def _partition(layout: TableLayout, vocab: int, devices: Devices, dp_group,
@@ -204,7 +195,7 @@ class TableOptimizer:
             by_param = {id(m.weight): g for m, g in zip(self.host.modules, grads)}
             grads = [by_param[id(t.param)] for t in self.tables]
             return ids.to(grads[0].device), grads
-        return take_same_rows([_row_grads(t.param) for t in self.tables])
+        return take_same_rows([table_row_grads(t.param) for t in self.tables])
 
     @tracked
     def grad_norm_sq(self) -> float:
@@ -285,7 +276,7 @@ class TableOptimizer:
         chunk = max(1, DENSE_CHUNK_BYTES // (4 * t.master.shape[1]))
         for start in range(0, rows.numel(), chunk):
             part = rows[start:start + chunk]
-            self._update_rows(t, part, _grad_rows(part, t.rows), t.grad, clip, lr,
+            self._update_rows(t, part, positions_in(part, t.rows), t.grad, clip, lr,
                               None if values is None else values[start:start + chunk])
         return values
 
@@ -346,7 +337,7 @@ class TableOptimizer:
         rows (`t.rows`) from `t.grad` x `clip`, zero for the others; their new values in
         rows [start, ...) of the table's buffer (none for a table that is its own
         master)."""
-        grad_rows, grad = _grad_rows(rows, t.rows), t.grad
+        grad_rows, grad = positions_in(rows, t.rows), t.grad
 
         def run(comm: Comm) -> None:
             values = self._values(t, rows.numel(), start) if t.separate else None
@@ -356,50 +347,20 @@ class TableOptimizer:
 
     # -- checkpoint ---------------------------------------------------------------------
 
+    # -- checkpoint ---------------------------------------------------------------------
+
     @tracked
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """{table name: {"fp32_param", "exp_avg", "exp_avg_sq"}}: this rank's rows of the
-        states (its shard's under `sharded`, see `shard()`) in the checkpoint's row order
-        (shards.py `ROW_ORDER`): the live tensors where they are in that order already,
-        copies where not (a shard's rows of a table that is its own master, and whole
-        tables, kept by table row)."""
+        states in the checkpoint's row order (checkpoint.py)."""
         self.finish()
-        return {t.name: {key: live if rows is None else live[rows]
-                         for key, (live, rows) in self.partition.checkpoint_rows(t).items()}
-                for t in self.tables}
+        return checkpoint_states(self.partition, self.tables)
 
     @tracked
     def load_state_tensors(self, states: dict[str, dict[str, torch.Tensor]], step: int) -> None:
-        """Take the optimizer state of a checkpoint (`states` shaped like
-        `state_tensors()`; loading into those tensors themselves copies nothing) and bring
-        every holder's table in line with the masters."""
+        """Take the optimizer state of a checkpoint (shaped like `state_tensors()`) and
+        bring every holder's table in line with the masters (checkpoint.py)."""
         self.step_count = step
         if self.host is not None:
             self.host.invalidate()
-        for t in self.tables:
-            if self.partition.writes_on_load:
-                for key, (live, rows) in self.partition.checkpoint_rows(t).items():
-                    loaded = states[t.name][key]
-                    if rows is not None:
-                        live.index_copy_(0, rows, loaded.to(live.device))
-                    elif loaded.data_ptr() != live.data_ptr():
-                        live.copy_(loaded)
-            self.partition.publish(t, None, t.master if t.separate else None, self.counters)
-        if self.tables:
-            self.partition.barrier()
-
-
-def _grad_rows(rows: torch.Tensor, touched: torch.Tensor) -> torch.Tensor:
-    """For each of `rows` (sorted), its index in `touched` (sorted), -1 if absent."""
-    if not touched.numel():
-        return torch.full_like(rows, -1)
-    at = torch.searchsorted(touched, rows).clamp(max=touched.numel() - 1)
-    return torch.where(touched[at] == rows, at, -1)
-
-
-def _row_grads(param: torch.nn.Parameter) -> RowGradSum:
-    """A device-placed table's row gradients of the step, with a sparse gradient set on
-    the parameter directly (not by a backward: benchmarks) counted as one more backward."""
-    row_grads = row_grads_of(param)
-    row_grads.hook(param)
-    return row_grads
+        load_states(self.partition, self.tables, states, self.counters)

@@ -62,6 +62,16 @@ class TableState:
         return local if self.master_rows is None else self.master_rows[local]
 
 
+def cpu_state_bytes(tables: list[tuple[str, torch.nn.Parameter]], shards: int = 1) -> int:
+    """CPU memory a device-placement TableOptimizer allocates for `tables` on each rank:
+    two fp32 Adam moments, and an fp32 master unless the table is its own (an fp32 table
+    in CPU memory), of 1/`shards` of the rows (`partition: sharded` over that many
+    data-parallel ranks)."""
+    def own(p):
+        return p.device.type == "cpu" and p.dtype == torch.float32
+    return sum(p.numel() * 4 * (2 if own(p) else 3) for _, p in tables) // shards
+
+
 class Partition:
     """What the three partitions share (module docstring for the interface)."""
 
