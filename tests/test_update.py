@@ -3,6 +3,7 @@ one global norm over backbone and tables, a non-finite step skipped whole, bf16 
 accumulated and reduced in fp32."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -153,3 +154,16 @@ def test_bf16_accumulates_and_reduces_gradients_in_fp32():
     assert not outcome.applied and "backbone" in outcome.nonfinite
     after = _state(engine, tables)
     assert [k for k in before if not torch.equal(before[k], after[k])] == []
+
+
+def test_the_deterministic_switch_sets_what_gpu_runs_need(monkeypatch):
+    from megatron_stem.train import use_deterministic_kernels
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert from_dict(Recipe, {"model": TINY, "train": {"deterministic": True}}).train.deterministic
+    try:
+        use_deterministic_kernels()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
