@@ -4,8 +4,7 @@ Why outside: DeepSpeed's ZeRO cannot take sparse gradients, and a dense gradient
 tables (21 GB fp32 at 1B) per step would cost more than the whole backbone. So the model's
 table parameters produce row-sparse gradients (`StemTable.sparse_grad`): only the rows of
 the micro-batches' token ids, summed per row the same way for every placement
-(training/row_grads.py). Each step (`train.py` calls these in this order, see
-training/step.py):
+(training/row_grads.py). Each step (in this order: training/update.py):
 
 1. `sync_grads`: each table's row gradients averaged over data parallel onto the ranks
    that update the rows (the partition's way, partition.py), and each row's sum of
@@ -114,8 +113,8 @@ class TableOptimizer:
         counters = self._finished if running else self.counters.as_dict()
         state = sum((t.master.numel() * 4 if t.separate else 0) +
                     (t.exp_avg.numel() + t.exp_avg_sq.numel()) * 4 for t in self.tables)
-        if isinstance(self.partition, SharedHostCopy):
-            state //= self.partition.copy.size
+        if self.partition is not None:
+            state //= self.partition.state_sharers
         where = "cpu" if self.state_on_host else "accelerator"
         return {**counters, "unique_rows": self.touched_rows,
                 "rank_rows": self.rank_rows, f"{where}_state_bytes": state}
@@ -272,7 +271,7 @@ class TableOptimizer:
         dtype when the holders need them sent (a separate table of a sharded layout)."""
         rows = self.partition.dense_rows(self._state_device(t))
         values = self._values(t, rows.numel()) \
-            if isinstance(self.partition, RowSharded) and t.separate else None
+            if self.partition.sends_rows and t.separate else None
         chunk = max(1, DENSE_CHUNK_BYTES // (4 * t.master.shape[1]))
         for start in range(0, rows.numel(), chunk):
             part = rows[start:start + chunk]
