@@ -73,7 +73,7 @@ def _jsonl_columns(chunk: Chunk, keys: Sequence[str]) -> Optional[Columns]:
         return None
     if table.num_rows != lines:
         return None
-    return _documents([table.column(k).combine_chunks() for k in keys], keys, chunk.first_line)
+    return _documents([_array(table.column(k)) for k in keys], keys, chunk.first_line)
 
 
 def _one_object_per_line(data: bytes) -> Optional[int]:
@@ -134,11 +134,16 @@ def _parquet_columns(chunk: Chunk, keys: Sequence[str]) -> Optional[Columns]:
             list(chunk.row_groups), columns=list(keys), use_threads=False)
     except (pa.ArrowException, OSError):
         return None  # the per-record way reports the row where it broke
-    columns = [table.column(k).combine_chunks() for k in keys]
+    columns = [_array(table.column(k)) for k in keys]
     if any(not (pa.types.is_string(c.type) or pa.types.is_large_string(c.type))
            for c in columns):
         return None
     return _documents(columns, keys, chunk.first_line)
+
+
+def _array(column: "pyarrow.ChunkedArray") -> "pyarrow.Array":  # noqa: F821
+    """One array of the column's texts; combine_chunks copies even a single chunk."""
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
 
 
 def _documents(columns: list, keys: Sequence[str], first_line: int) -> Optional[Columns]:

@@ -102,7 +102,7 @@ class PartWriter:
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """`tokens`: the documents' ids back to back; `lengths`: tokens per document."""
-        self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype))  # no copy if it is
         self._lengths.append(np.asarray(lengths, dtype=np.int32))
 
     def abort(self) -> None:
