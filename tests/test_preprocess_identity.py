@@ -5,6 +5,7 @@ skips: on the shipped corpus and on text made to break them."""
 import gzip
 import json
 import re
+import threading
 
 import numpy as np
 import pyarrow as pa
@@ -185,11 +186,41 @@ def test_verify_tokenizer_stops_a_run_on_a_difference(tmp_path, sp_model, monkey
         r"^--verify-tokenizer: gigatoken's ids differ from the reference library's for "
         r".*\.model on 'text' of document 5 of .*in.jsonl chunk 0 at token 0 .*; rerun with "
         r"--tokenizer-backend reference$", message), message
-    assert not list((tmp_path / "auto").glob("out.parts/*/*.bin"))  # nothing was written
+    # Nothing was kept: neither the parts tokenized meanwhile nor a record of them.
+    assert not list((tmp_path / "auto").glob("out.parts/*/0*"))
     # Small N: a difference after the first N documents is not looked for.
     stats = _run(tmp_path, [tmp_path / "in.jsonl"], "sentencepiece", sp_model, "auto",
                  verify_docs=4)
     assert stats["documents"] == 50
+
+
+def test_the_check_runs_while_the_workers_tokenize(tmp_path, sp_model, monkeypatch):
+    """The reference library encodes the run's first documents while every worker already
+    tokenizes a chunk (its time is not the run's start-up), and no chunk is recorded
+    before the check has passed."""
+    from megatron_stem.data import worker
+
+    (tmp_path / "in.jsonl").write_bytes(b"".join(
+        json.dumps({"text": f"document number {i}"}).encode() + b"\n" for i in range(400)))
+    started, tokenize = threading.Semaphore(0), worker.tokenize_chunk
+
+    def tokenize_counted(*args, **kw):
+        started.release()
+        return tokenize(*args, **kw)
+
+    reference_encode = ReferenceEncoder.encode
+
+    def encode_once_both_workers_run(self, texts):
+        for _ in range(2):
+            assert started.acquire(timeout=30), "the check ran before the workers started"
+        assert not list(tmp_path.glob("auto/out.parts/*/0*.json")), "recorded unchecked"
+        return reference_encode(self, texts)
+
+    monkeypatch.setattr(worker, "tokenize_chunk", tokenize_counted)
+    monkeypatch.setattr(ReferenceEncoder, "encode", encode_once_both_workers_run)
+    stats = _run(tmp_path, [tmp_path / "in.jsonl"], "sentencepiece", sp_model, "auto",
+                 workers=2, chunk_bytes=2000)
+    assert stats["documents"] == 400 and stats["chunks"] > 4
 
 
 # --- native parsing vs the per-record readers --------------------------------------------

@@ -75,7 +75,7 @@ def tokenize_chunk(chunk: Chunk, encoder, keys: Sequence[str], eod: Optional[int
             for batch in _record_batches(chunk, keys, skip):
                 write(batch)
         for w in writers.values():
-            w.close()
+            w.close(sync=False)  # the main process syncs the part before recording it
     except BaseException:
         for k in keys:
             writers[k].abort()
@@ -134,9 +134,28 @@ class WorkerSettings:
     dtype: str
 
 
+class ThreadCounters:
+    """Documents and tokens tokenized so far, for worker threads: what worker processes
+    share as a `multiprocessing.Array("q", 2)`, whose lock is a named semaphore that
+    starts multiprocessing's resource tracker (a Python process of its own) to clean up."""
+
+    def __init__(self):
+        self._lock, self._values = threading.Lock(), [0, 0]
+
+    def get_lock(self) -> threading.Lock:
+        return self._lock
+
+    def __getitem__(self, i: int) -> int:
+        return self._values[i]
+
+    def __setitem__(self, i: int, value: int) -> None:
+        self._values[i] = value
+
+
 class ChunkTokenizer:
     """`tokenize_chunk` with fixed settings and one encoder, reporting documents and tokens
-    to shared counters (a `multiprocessing.Array` of two, read by the progress line).
+    to counters shared with the progress line (`ThreadCounters`, or a
+    `multiprocessing.Array` of two across processes).
 
     A worker process holds one; with gigatoken, which releases the GIL, the main process
     holds one that its worker threads share.
