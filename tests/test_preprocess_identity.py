@@ -4,6 +4,7 @@ skips: on the shipped corpus and on text made to break them."""
 
 import gzip
 import json
+import random
 import re
 import threading
 
@@ -276,6 +277,29 @@ def test_native_parquet_agrees(tmp_path, corpus_texts):
 
 def test_blank_means_what_python_calls_whitespace():
     assert set(WHITESPACE) == {c for c in map(chr, range(0x110000)) if c.isspace()}
+
+
+def test_native_parsing_finds_the_blank_texts_python_finds(tmp_path):
+    """Blank texts are found by their first byte, then by Python on a head of 256 bytes
+    (then on the whole text): whitespace runs across that head, characters cut by it,
+    non-blank characters that share a first byte with whitespace ones."""
+    rng = random.Random(0)
+    near = "b\u00e9\u00a9\u2019\u1681\u3001\u4e2d\U0001F680"  # first bytes of blanks
+    texts = [pad * n + c for pad in (" ", "\u3000", "\n\u2003") for n in (1, 85, 86, 128, 300)
+             for c in ("", "b", "\u00e9", "\u3000", "\u2019")]
+    texts += ["".join(rng.choice(WHITESPACE + near) for _ in range(rng.randint(1, 300)))
+              for _ in range(1000)]
+    texts += ["".join(rng.choice(WHITESPACE) for _ in range(rng.randint(1, 400)))
+              for _ in range(300)]
+    (tmp_path / "in.jsonl").write_bytes(b"".join(
+        json.dumps({"text": t}, ensure_ascii=i % 2 == 0).encode() + b"\n"
+        for i, t in enumerate(texts)))
+    chunks = list(_both_ways(tmp_path / "in.jsonl", chunk_bytes=20_000))
+    assert len(chunks) > 3 and all(native is not None for native, _ in chunks)
+    for native, per_record in chunks:
+        assert native == per_record
+    skipped = sum(len(native[1]) for native, _ in chunks)
+    assert skipped == sum(t.isspace() for t in texts) > 300
 
 
 def test_a_reloaded_encoder_gives_the_same_ids(tokenizer, corpus_texts):
