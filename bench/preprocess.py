@@ -1,6 +1,7 @@
 """Preprocessing: ours vs the fast path vs the reference libraries, per tokenizer kind.
 
-    python bench/preprocess.py [--sizes-mb 100 1000] [--workers 2] [--repeat 2]
+    python bench/preprocess.py [--sizes-mb 100 1000] [--workers 2] [--repeat 2] \
+        [--kinds sentencepiece huggingface]
 
 For each size, a JSON Lines corpus of real English text is made under /tmp (the shipped
 data_corpus/gcide.jsonl.gz, `--join` dictionary entries per document so that documents
@@ -165,7 +166,7 @@ def bench_size(megabytes: float, models: dict, args, tmp: Path) -> list:
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.workers),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     rows = []
-    for kind in KINDS:
+    for kind in args.kinds:
         out = tmp / f"out-{kind}"
         out.mkdir()
         cmds = commands(kind, models[kind], corpus, out, args.workers)
@@ -206,6 +207,8 @@ def main():
     ap.add_argument("--join", type=int, default=8,
                     help="dictionary entries per document (8: about 1.9 kB, web-like)")
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
+                    help="tokenizer kinds to run")
     ap.add_argument("--reference-max-mb", type=float, default=200,
                     help="run the reference path only on corpora up to this size (slow)")
     args = ap.parse_args()
