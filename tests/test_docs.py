@@ -108,7 +108,8 @@ def recipe_step(recipe: str, overrides: list[str]) -> Step:
         r = load_recipe(ROOT / recipe, overrides)
     except ConfigError as e:
         pytest.fail(f"recipe {recipe} with {overrides}: {e}")
-    return Step(reads=[*r.data.prefixes, r.data.tokenizer_model], writes=[r.train.save_dir])
+    return Step(reads=[*r.data.training_blend()[0], r.data.tokenizer_model,
+                       *filter(None, [r.train.init_from])], writes=[r.train.save_dir])
 
 
 # --- one check per program --------------------------------------------------------------
@@ -315,7 +316,8 @@ def test_sbatch_comments_name_the_recipes_paths():
     for name, recipe_file in scripts.items():
         recipe = load_recipe(ROOT / recipe_file)
         comments = (ROOT / "slurm" / name).read_text()
-        for path in (*recipe.data.prefixes, recipe.data.tokenizer_model):
+        data = [recipe.data.blend] if recipe.data.blend else recipe.data.prefixes
+        for path in (*data, recipe.data.tokenizer_model, *filter(None, [recipe.train.init_from])):
             assert path in comments, f"slurm/{name}: say where {path} comes from"
 
 

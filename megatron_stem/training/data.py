@@ -11,17 +11,20 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-from megatron_stem.config import Recipe
+from megatron_stem.config import DataConfig, Recipe
 from megatron_stem.errors import UserError
 
 
-def check_prefixes(prefixes: list[str]) -> None:
+def check_prefixes(data: DataConfig) -> None:
+    """Every token file the training data names exists (the error names the recipe field)."""
+    prefixes, _ = data.training_blend()
     if not prefixes:
-        raise UserError("data.prefixes: no training data given (a list of .bin/.idx prefixes)")
-    for prefix in prefixes:
+        raise UserError("data.prefixes: no training data given (a list of .bin/.idx prefixes, "
+                        "or data.blend: a data recipe)")
+    for i, prefix in enumerate(prefixes):
         missing = [ext for ext in (".bin", ".idx") if not Path(prefix + ext).is_file()]
         if missing:
-            raise UserError(f"data.prefixes: {prefix}{missing[0]} not found "
+            raise UserError(f"{data.field_of(i)}: {prefix}{missing[0]} not found "
                             "(give the path without .bin/.idx, as written by preprocess_data.py)")
 
 
@@ -29,11 +32,11 @@ def build_datasets(recipe: Recipe, tokenizer, train_samples: int, valid_samples:
                    cache_dir: str):
     """(train, valid) GPTDatasets of `seq_length`-token samples."""
     data = recipe.data
-    check_prefixes(data.prefixes)
+    check_prefixes(data)
     config = GPTDatasetConfig(
         random_seed=recipe.train.seed,
         sequence_length=recipe.model.seq_length,
-        blend=(list(data.prefixes), list(data.weights) if data.weights else None),
+        blend=data.training_blend(),
         split=data.split,
         path_to_cache=cache_dir,
         tokenizer=tokenizer,
