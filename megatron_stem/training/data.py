@@ -45,8 +45,11 @@ def build_datasets(recipe: Recipe, tokenizer, train_samples: int, valid_samples:
         eod_mask_loss=False,
         create_attention_mask=False,
     )
+    # No test split is read; megatron takes a size of None as "all of it", which it allows
+    # only for an unweighted blend.
+    test_samples = None if config.blend[1] is None else 0
     train, valid, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [train_samples, valid_samples, None], lambda: True, config).build()
+        GPTDataset, [train_samples, valid_samples, test_samples], lambda: True, config).build()
     if train is None or (valid_samples and valid is None):
         raise UserError(f"data.split: {data.split!r} leaves no documents for training or "
                         "validation; give both a share")
