@@ -13,7 +13,6 @@ written by a command before it, so its walk-through uses the recipes' own paths.
 import argparse
 import contextlib
 import functools
-import importlib.util
 import io
 import re
 import shlex
@@ -25,6 +24,7 @@ from unittest import mock
 import pytest
 
 from conftest import ROOT
+from conftest import tool_main as script_main
 from megatron_stem.config import load_recipe
 from megatron_stem.errors import ConfigError
 
@@ -91,17 +91,6 @@ def parsed_args(main, argv: list[str], what: str) -> argparse.Namespace:
     pytest.fail(f"{what}: main() returned without parsing its arguments")
 
 
-@functools.cache
-def script_main(path: str):
-    """The `main` of a tools/ or bench/ script, imported without running it."""
-    assert (ROOT / path).is_file(), f"{path} does not exist"
-    name = "_docs_" + re.sub(r"\W", "_", path)  # tools/x.py and bench/x.py may share a stem
-    spec = importlib.util.spec_from_file_location(name, ROOT / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
-
-
 def recipe_step(recipe: str, overrides: list[str]) -> Step:
     """A training run's recipe, validated with `overrides`: its data in, checkpoints out."""
     try:
@@ -119,6 +108,8 @@ TOOL_PATHS = {  # what a tool reads and writes, from its parsed arguments
         reads=[*a.input, a.tokenizer_model],
         writes=[f"{a.output_prefix}_{key}_document" for key in a.json_keys]),
     "tools/train_tokenizer.py": lambda a: Step(reads=a.input, writes=[f"{a.output_prefix}.model"]),
+    "tools/mds_to_megatron.py": lambda a: Step(reads=[*a.input, a.tokenizer_model],
+                                               writes=[f"{a.output_prefix}_text_document"]),
     "tools/to_hf.py": lambda a: Step(reads=[a.checkpoint, *filter(None, [a.tokenizer])],
                                      writes=[a.output]),
 }
@@ -281,15 +272,8 @@ def test_command_is_accepted_as_written(doc, line):
         check(env, words)
 
 
-# What the README has its reader make with no command of the checkout (yet), and why.
-MADE_BY_THE_READER = {
-    "data/prolong_64k/llama3/train_text_document":
-        "ProLong's pre-tokenized MDS shards: no tool here converts them (README, step 2)",
-}
-
-
 def test_readme_commands_read_only_what_the_checkout_has_or_an_earlier_command_wrote():
-    written = [*MADE_BY_THE_READER]
+    written = []
     for line in command_lines("README.md"):
         for env, words in commands(line):
             step = check(env, words)

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, tool_main
 from megatron_stem import checkpoint
 from megatron_stem.config import ModelConfig, Recipe, load_recipe
 from megatron_stem.errors import ConfigError, UserError
@@ -267,12 +267,7 @@ def test_recompute_and_state_on_the_cpu_move_memory_where_they_should():
 
 
 def test_plan_step_prints_the_memory_and_ends_with_the_step_time_line(capsys):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("plan_step", ROOT / "tools" / "plan_step.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    assert tool.main(["--recipe", "recipes/stem_1b_long.yaml", "--baseline",
+    assert tool_main("tools/plan_step.py")(["--recipe", "recipes/stem_1b_long.yaml", "--baseline",
                       "recipes/dense_1b_long.yaml", "--nodes", "4", "--hardware", "h200"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[-1].startswith("predicted step time STEM ")
