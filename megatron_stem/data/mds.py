@@ -189,8 +189,9 @@ def convert(folders: list[str | Path], prefix: str, vocab_size: int, eod: Option
                 batch = [np.append(doc, eod) for doc in batch]
             if batch:
                 writer.add(np.concatenate(batch), np.array([len(d) for d in batch]))
+            size = shard.path.stat().st_size
             progress.add(docs=len(batch), tokens=sum(len(d) for d in batch),
-                         disk_bytes=shard.path.stat().st_size)
+                         input_bytes=size, disk_bytes=size)
             progress.tick()
         writer.close()
     except BaseException:

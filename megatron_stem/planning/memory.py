@@ -138,7 +138,7 @@ def _table_parts(recipe: Recipe, layout: Layout, microbatches: int, tokens: int,
                         f"{what} x {dtype} B"))
     else:
         staged = rows.microbatch_rows / microbatches
-        out.append(Part("tables", "staged rows (one micro-batch ahead: two buffers)",
+        out.append(Part("tables", "staged rows: this micro-batch's and the next's",
                         traffic.rows_bytes(2 * staged, shape, dtype),
                         f"2 x {staged:,.0f} rows x {shape.width:,} x {count} x {dtype} B"))
         if storage.cache_rows:
@@ -150,17 +150,23 @@ def _table_parts(recipe: Recipe, layout: Layout, microbatches: int, tokens: int,
         owned = traffic.owned_range_rows(shape, layout)
         out.append(Part("tables", "tables' fp32 master + Adam moments (owned rows)", state,
                         f"{count} x {owned:,} rows x {shape.width:,} x 12 B"))
-    out.append(Part("gradients", "tables' row grads, as backward gives them",
-                    traffic.rows_bytes(microbatches * tokens, shape, dtype),
-                    f"{microbatches * tokens:,} positions x {shape.width:,} x {count} x "
-                    f"{dtype} B"))
+    if storage.placement == "device":  # a row per token position, summed at the sync
+        out.append(Part("gradients", "tables' row grads, as backward gives them",
+                        traffic.rows_bytes(microbatches * tokens, shape, dtype),
+                        f"{microbatches * tokens:,} positions x {shape.width:,} x {count} x "
+                        f"{dtype} B"))
+    else:  # staged rows: summed per micro-batch as its backward ends
+        out.append(Part("gradients", "tables' row grads, per micro-batch (fp32)",
+                        traffic.rows_bytes(rows.microbatch_rows, shape, FP32),
+                        f"{rows.microbatch_rows:,} rows x {shape.width:,} x {count} x 4 B"))
     out.append(Part("gradients", "tables' row grads, summed (fp32)",
                     traffic.rows_bytes(rows.rank_rows, shape, FP32),
                     f"{rows.rank_rows:,} distinct rows x {shape.width:,} x {count} x 4 B"))
     host = traffic.cpu_state_bytes(shape, layout)
     if host:
         out.append(Part("host", "tables' fp32 master + Adam moments", host,
-                        "traffic.cpu_state_bytes"))
+                        "the owned rows' (and, host placement: this rank's share of its "
+                        "node's copy)"))
     return out
 
 
