@@ -74,9 +74,15 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234,
         raise ConfigError(
             f"parallel: world size {world} is not divisible by tensor_parallel x "
             f"pipeline_parallel = {model_parallel}")
+    # No gloo copies of the data-parallel groups (megatron makes them by default): only
+    # megatron's own distributed optimizer and Muon use them, and the dense parameters'
+    # optimizer here is DeepSpeed's. On GPU nodes they would be gloo groups across nodes,
+    # each needing a routable interface (GLOO_SOCKET_IFNAME), for nothing; on CPU every
+    # group is gloo already.
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_parallel,
-        pipeline_model_parallel_size=parallel.pipeline_parallel)
+        pipeline_model_parallel_size=parallel.pipeline_parallel,
+        create_gloo_process_groups=False)
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:

@@ -22,7 +22,7 @@
 #   STEM_OUTPUT           root folder of runs (default: runs)
 #   STEM_RUN_NAME         this run's folder name (default: the job name, sbatch --job-name)
 #   STEM_SAVE_DIR         checkpoints + TensorBoard (default: $STEM_OUTPUT/$STEM_RUN_NAME/checkpoints)
-#   STEM_PROCS_PER_NODE   ranks per node (default: the job's GPUs per node; 1 without GPUs)
+#   STEM_PROCS_PER_NODE   ranks per node (default: one per GPU of the node; 1 without GPUs)
 #   STEM_VENV             virtualenv to activate (default: .venv of this checkout, if any)
 #   STEM_MODULES          environment modules to `module load` first, space-separated
 #   STEM_SETUP            a shell file to source for site settings (conda, NCCL_IB_*, ...)
@@ -89,16 +89,51 @@ python -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('torch') a
 
 # --- layout: nodes, ranks, rendezvous --------------------------------------------------
 _stem_nnodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
-if [[ -n ${STEM_PROCS_PER_NODE:-} ]]; then
-    _stem_procs=$STEM_PROCS_PER_NODE
-elif [[ -n ${SLURM_GPUS_ON_NODE:-} ]]; then
-    _stem_procs=$SLURM_GPUS_ON_NODE
+# The GPUs of each node, from the first of SLURM's variables that names any (this is the
+# batch step's node; every node runs as many ranks):
+#   SLURM_GPUS_ON_NODE   8                  the count (SLURM sets it for --gpus-per-node,
+#                                           --gres=gpu:8 and --gpus alike)
+#   SLURM_JOB_GPUS       0,1,2,3,4,5,6,7    their indices
+#   SLURM_GPUS_PER_NODE  8, h100:8, gpu:h100:8, a100:4,v100:4   --gpus-per-node as written
+# Not CUDA_VISIBLE_DEVICES: one exported from the submitting shell says nothing of the job.
+_stem_gpus=0
+if [[ -n ${SLURM_GPUS_ON_NODE:-} && $SLURM_GPUS_ON_NODE != 0 ]]; then
+    _stem_gpus_from="SLURM_GPUS_ON_NODE=$SLURM_GPUS_ON_NODE"
+    _stem_gpus=$SLURM_GPUS_ON_NODE
+elif [[ -n ${SLURM_JOB_GPUS:-} ]]; then
+    _stem_gpus_from="SLURM_JOB_GPUS=$SLURM_JOB_GPUS"
+    IFS=, read -r -a _stem_ids <<<"$SLURM_JOB_GPUS"
+    _stem_gpus=${#_stem_ids[@]}
 elif [[ -n ${SLURM_GPUS_PER_NODE:-} ]]; then
-    _stem_procs=${SLURM_GPUS_PER_NODE##*:}  # "8" or "h100:8"
+    _stem_gpus_from="SLURM_GPUS_PER_NODE=$SLURM_GPUS_PER_NODE"
+    IFS=, read -r -a _stem_kinds <<<"$SLURM_GPUS_PER_NODE"
+    for _stem_kind in ${_stem_kinds[@]+"${_stem_kinds[@]}"}; do  # [type:]count
+        [[ ${_stem_kind##*:} =~ ^[0-9]+$ ]] || { _stem_gpus=; break; }
+        _stem_gpus=$(( _stem_gpus + ${_stem_kind##*:} ))
+    done
+fi
+[[ $_stem_gpus =~ ^[0-9]+$ ]] ||
+    stem_die "$_stem_gpus_from: cannot tell the GPUs per node from it; set STEM_PROCS_PER_NODE"
+# `--gpus=N` spreads N GPUs over the nodes as it can (4 on 2 nodes may be 3 + 1), while
+# torchrun starts as many ranks on every node: refuse a spread that gives this node other
+# than its share.
+if [[ -z ${STEM_PROCS_PER_NODE:-} && -z ${SLURM_GPUS_PER_NODE:-} && ${SLURM_GPUS:-} =~ ^([^:]*:)?[0-9]+$ ]] &&
+    (( ${SLURM_GPUS##*:} != _stem_gpus * _stem_nnodes )); then
+    stem_die "SLURM_GPUS=$SLURM_GPUS on $_stem_nnodes node(s), but $_stem_gpus on this one:" \
+        "the nodes have different numbers of GPUs; ask for them with --gpus-per-node"
+fi
+if [[ -n ${STEM_PROCS_PER_NODE:-} ]]; then
+    [[ $STEM_PROCS_PER_NODE =~ ^[1-9][0-9]*$ ]] ||
+        stem_die "STEM_PROCS_PER_NODE: expected a positive integer, got '$STEM_PROCS_PER_NODE'"
+    _stem_procs=$STEM_PROCS_PER_NODE
+    _stem_procs_from="STEM_PROCS_PER_NODE"
+elif (( _stem_gpus > 0 )); then
+    _stem_procs=$_stem_gpus
+    _stem_procs_from="one per GPU: $_stem_gpus_from"
 else
     _stem_procs=1
+    _stem_procs_from="no GPUs"
 fi
-[[ $_stem_procs =~ ^[1-9][0-9]*$ ]] || stem_die "STEM_PROCS_PER_NODE: expected a positive integer, got '$_stem_procs'"
 # CPUs of the smallest node (SLURM_JOB_CPUS_PER_NODE looks like "64(x2),32").
 _stem_cpus=$(tr ',' '\n' <<<"${SLURM_JOB_CPUS_PER_NODE:-${SLURM_CPUS_ON_NODE:-1}}" | sed 's/(.*//' | sort -n | head -n1)
 _stem_master=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
@@ -179,7 +214,7 @@ _stem_latest() { cat "$_stem_save_dir/latest" 2>/dev/null || echo "none"; }
     env | grep -E '^(STEM_|NCCL_|TORCH_NCCL_|OMP_NUM_THREADS|CUDA_VISIBLE_DEVICES|SLURM_(JOB_|GPUS|CPUS|NNODES|RESTART))' | sort
 } >>"$_stem_job_dir/launch.log"
 
-stem_log "job $SLURM_JOB_ID (restart $_stem_restart) $(date '+%F %T'): $_stem_nnodes node(s) x $_stem_procs rank(s) on $SLURM_JOB_NODELIST, rendezvous $_stem_master:$_stem_port"
+stem_log "job $SLURM_JOB_ID (restart $_stem_restart) $(date '+%F %T'): $_stem_nnodes node(s) x $_stem_procs rank(s) ($_stem_procs_from) on $SLURM_JOB_NODELIST, rendezvous $_stem_master:$_stem_port"
 stem_log "recipe $_stem_recipe | checkpoints $_stem_save_dir (latest: $(_stem_latest)) | job files $_stem_job_dir"
 
 # --- run ---------------------------------------------------------------------------------
@@ -217,7 +252,7 @@ elif (( _stem_rc == 0 )); then
     exit 0
 else
     stem_log "FAILED after $_stem_elapsed: a training process failed and srun stopped every node (exit code $_stem_rc)." \
-        "The first error above names the node and rank (srun's 'error:' line, torchrun's 'Root Cause', a Traceback)." \
+        "The first 'stem: <node>: rank N ... failed' line above names the rank that failed first (the others failed in its broken collectives; its Traceback is above too)." \
         "Resubmitting resumes from the latest checkpoint: $(_stem_latest)"
     exit "$_stem_rc"
 fi

@@ -18,6 +18,13 @@ a crash. A stop is routine under SLURM, so on SignalException this wrapper inste
   exit codes after a signal): exit 0 when they saved and stopped to be requeued (the
   trainer then leaves `$STEM_STOP_MARKER.<host>`, which the batch script also reads),
   else 128+signal, as for a process the signal ended.
+
+It also names a rank that fails the moment torchrun sees it (`stem: <host>: rank N (local
+rank i) failed: ...`). torchrun itself names it only after stopping the node's other ranks,
+which can take up to 30 s (they take its SIGTERM for a stop and try to finish their step);
+meanwhile the ranks on other nodes fail in their broken collectives, their torchrun
+reports first, and srun kills this one before it says anything: the log would name only
+victims.
 """
 
 import os
@@ -27,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
 from torch.distributed.run import main
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -45,7 +52,29 @@ def _wait_for_children(timeout: float) -> None:
             time.sleep(0.2)
 
 
+def _say_failures_at_once(context=SubprocessContext) -> None:
+    """Print the failed ranks when torchrun starts stopping the others (torch 2.13: its
+    process context's `_close`, which `_poll` calls on the first failure it sees, every
+    `--monitor-interval` seconds)."""
+    close = context._close
+    host = socket.gethostname()
+
+    def say_and_close(self, *args, **kwargs):
+        if getattr(self, "_failures", None) and not getattr(self, "_stem_said", False):
+            self._stem_said = True
+            for local_rank, failure in sorted(self._failures.items()):
+                how = (f"Signal {-failure.exitcode} ({failure.signal_name()})"
+                       if failure.exitcode < 0 else f"exit code {failure.exitcode}")
+                rank = self.envs.get(local_rank, {}).get("RANK", "?")
+                print(f"stem: {host}: rank {rank} (local rank {local_rank}) failed: {how}; "
+                      "stopping the node's other ranks", file=sys.stderr, flush=True)
+        return close(self, *args, **kwargs)
+
+    context._close = say_and_close
+
+
 def run() -> int:
+    _say_failures_at_once()
     try:
         main()
     except SignalException as e:

@@ -3,9 +3,11 @@
 tests/slurm_cluster.py brings up munged, slurmctld and two slurmd in their own network
 namespaces (needs root and Debian's slurm-wlm + munge, which .ci/run installs). The sbatch
 file runs unchanged, `--gpus-per-node=8` included (the test nodes advertise 8 GPUs); only
-environment knobs and sbatch flags turn it into a CPU job: the tiny recipe, one gloo rank
-per node, a few steps, data and tokenizer made from the shipped corpus. Set
-STEM_SKIP_SLURM_TESTS=1 to skip (e.g. without root).
+environment knobs and sbatch flags turn it into a CPU job: the tiny recipe, gloo ranks, a
+few steps, data and tokenizer made from the shipped corpus. The preempted job runs one rank
+per node; the failing one has 2 GPUs per node, so the launcher starts 2 ranks per node
+from SLURM's own GPU variables, which share one host copy of the tables per node.
+Set STEM_SKIP_SLURM_TESTS=1 to skip (e.g. without root).
 """
 
 import json
@@ -60,9 +62,11 @@ def corpus_data(tmp_path_factory, corpus_texts, sp_model):
     return str(folder / "gcide_text_document"), sp_model
 
 
-def submit(cluster, out: Path, data: tuple[str, str], steps: int,
-           *flags: str) -> tuple[str, Path]:
-    """sbatch slurm/stem_1b.sbatch as a user would, with CPU knobs; (job id, log file)."""
+def submit(cluster, out: Path, data: tuple[str, str], steps: int, *flags: str,
+           overrides: tuple[str, ...] = (), procs_per_node: str | None = "1"
+           ) -> tuple[str, Path]:
+    """sbatch slurm/stem_1b.sbatch as a user would, with CPU knobs; (job id, log file).
+    `procs_per_node` None: as many ranks per node as the job has GPUs (sbatch flags)."""
     log = out / "job.out"
     prefix, tokenizer = data
     env = {
@@ -70,15 +74,16 @@ def submit(cluster, out: Path, data: tuple[str, str], steps: int,
         "STEM_DATA": prefix,
         "STEM_TOKENIZER": tokenizer,
         "STEM_OUTPUT": str(out / "runs"),
-        "STEM_PROCS_PER_NODE": "1",
         "STEM_ALLOW_CPU": "1",  # the nodes' GPUs are scheduling tokens: CPU on purpose
         "STEM_OVERRIDES": " ".join([
             f"train.steps={steps}", "train.micro_batch_size=4", "train.global_batch_size=8",
             "train.log_interval=1", "train.eval_interval=1000", "train.eval_iters=1",
             "train.save_interval=1000", "train.dtype=fp32", "optimizer.tables.kernel=torch",
-            "optimizer.warmup_steps=2", "data.split=90,10,0"]),
+            "optimizer.warmup_steps=2", "data.split=90,10,0", *overrides]),
         "PYTHONWARNINGS": "ignore",
     }
+    if procs_per_node is not None:
+        env["STEM_PROCS_PER_NODE"] = procs_per_node
     if sys.prefix != sys.base_prefix:
         env["STEM_VENV"] = sys.prefix
     job = cluster.sbatch("--nodes=2", f"--output={log}", *flags, "slurm/stem_1b.sbatch",
@@ -164,21 +169,47 @@ def trainer_pids(cluster, node: str) -> list[int]:
     return pids
 
 
-def test_a_dead_rank_ends_the_job_promptly_with_a_clear_message(cluster, corpus_data, tmp_path):
-    job, log = submit(cluster, tmp_path, corpus_data, 2000, "--time=10")
-    wait_for_log(cluster, job, log, r"^step 2/", timeout=420)
-    pids = trainer_pids(cluster, "node2")
-    assert len(pids) == 1, pids
-    os.kill(pids[0], signal.SIGKILL)
+def shared_host_files(pid: int) -> set[str]:
+    """The host-copy files (`model/host_copy.py`, unlinked once mapped) a rank maps."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return set(re.findall(r"/dev/shm/(megatron_stem_\S+) \(deleted\)", maps))
+
+
+def test_two_ranks_per_node_share_a_host_copy_and_a_dead_rank_ends_the_job(
+        cluster, corpus_data, tmp_path):
+    """2 nodes x 2 GPUs: the launcher starts a rank per GPU from SLURM's variables, the two
+    ranks of a node share one host copy of the tables (`tables.placement: host`; the
+    copies' owners of the same rows talk across nodes); then a rank killed on node2 fails
+    the whole job within seconds, with one clear line."""
+    # --oversubscribe undoes the sbatch file's --exclusive, which would give the job all 8
+    # GPUs of each node whatever --gpus-per-node says.
+    job, log = submit(cluster, tmp_path, corpus_data, 2000, "--time=10", "--gpus-per-node=2",
+                      "--oversubscribe", procs_per_node=None,
+                      overrides=("tables.placement=host", "train.micro_batch_size=2"))
+    text = wait_for_log(cluster, job, log, r"^step 2/", timeout=420)
+    assert "2 node(s) x 2 rank(s) (one per GPU: SLURM_GPUS_ON_NODE=2)" in text, text
+    assert "stem: node 1/2 is node2: torchrun with 2 rank(s)" in text
+    assert "world 4 = TP 1 x DP 4" in text and "| prefetch wait" in text, text
+    node1, node2 = (trainer_pids(cluster, node) for node in ("node1", "node2"))
+    assert len(node1) == len(node2) == 2, (node1, node2)
+    copies = [{name for pid in pids for name in shared_host_files(pid)} for pids in (node1, node2)]
+    for pids, files in zip((node1, node2), copies):  # both ranks map all of their node's copy
+        assert files and all(shared_host_files(pid) == files for pid in pids), files
+    assert not copies[0] & copies[1], copies  # one copy per node
+
+    os.kill(node2[0], signal.SIGKILL)
     killed = time.monotonic()
     info = cluster.wait_job(job, lambda i: i.get("JobState") in ENDED, timeout=120)
     took = time.monotonic() - killed
     text = log.read_text()
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", text
     assert took < 60, f"the job took {took:.0f}s to end after a rank died"
-    assert "srun: error: node2: task 1: Exited with exit code 1" in text
+    assert re.search(r"^srun: error: node\d: task \d: ", text, re.M), text
     assert re.search(r"^stem: FAILED after \d\d:\d\d:\d\d: a training process failed and srun "
                      r"stopped every node", text, re.M), text
-    # torchrun names the dead rank: its host and the signal that killed it.
-    assert re.search(r"host\s*: node2", text) and "Signal 9 (SIGKILL)" in text, text
-    print(f"\nrank killed on node2: job FAILED {took:.0f}s later")
+    # The first rank said to fail is the dead one: its host, rank and signal (the ranks of
+    # node1, whose collectives broke, fail next and may be the ones torchrun reports).
+    failed = re.findall(r"^stem: (node\d): rank \d \(local rank \d\) failed: (.*); "
+                        r"stopping the node's other ranks$", text, re.M)
+    assert failed and failed[0] == ("node2", "Signal 9 (SIGKILL)"), text
+    print(f"\nrank killed on node2 (2 nodes x 2 ranks, host tables): job FAILED {took:.0f}s later")

@@ -1,5 +1,9 @@
-"""slurm/launch.sh without a cluster: its command line and rendezvous port, with stand-ins
-for SLURM's commands, and its bash 4.2 compatibility.
+"""slurm/launch.sh without a cluster: its command line, ranks per node and rendezvous port,
+with stand-ins for SLURM's commands, and its bash 4.2 compatibility.
+
+The stand-in `srun` runs the per-node command as node 0 and the stand-in `python` records
+what torchrun was asked to run, so a GPU job's variables (which the real two-node test,
+a CPU job, cannot have in effect) are checked down to torchrun's `--nproc-per-node`.
 
 Bash before 4.4 takes a bare "${a[@]}" of an empty array for an unset variable under
 `set -u` and stops the script (CentOS/RHEL 7 clusters ship bash 4.2). No such bash can be
@@ -10,19 +14,26 @@ through the ${a[@]+"${a[@]}"} idiom.
 
 import os
 import re
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, subprocess_env
 
 LAUNCH = ROOT / "slurm" / "launch.sh"
 
 STUBS = {
     "scontrol": 'case "$1 $2" in "show hostnames") echo node1 ;; esac',
-    "srun": 'printf "%s\\n" "$@" >"$STEM_TEST_ARGS"',
-    "python": "exit 0",  # launch.sh's "can import torch and deepspeed" check
+    # srun's own options, then the per-node command, run as node 0
+    "srun": 'while [[ $1 == --* ]]; do shift; done\n'
+            'SLURM_NODEID=0 SLURM_NNODES=$SLURM_JOB_NUM_NODES exec "$@"',
+    # torchrun (slurm/torchrun.py): its arguments and threads recorded; anything else is
+    # launch.sh's "can import torch and deepspeed" check
+    "python": 'case $1 in *torchrun.py) shift; printf "%s\\n" "$@" >"$STEM_TEST_ARGS"\n'
+              '  echo "$OMP_NUM_THREADS" >"$STEM_TEST_ARGS.threads" ;; esac',
 }
 
 
@@ -64,6 +75,94 @@ def test_the_rendezvous_port_is_per_job_and_outside_the_ephemeral_range(tmp_path
     low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     assert not low <= port <= high and 1024 <= port <= 65535
     assert f"--rdzv-endpoint=node1:{port}" in args
+
+
+# What SLURM sets in the batch script of a GPU job (the local cluster's SLURM 22.05 for
+# --gpus-per-node=8 on 2 nodes: all three), and the forms sites and older SLURMs give.
+EIGHT_GPUS = {
+    "--gpus-per-node=8": dict(SLURM_GPUS_ON_NODE="8", SLURM_GPUS_PER_NODE="8",
+                              SLURM_JOB_GPUS="0,1,2,3,4,5,6,7"),
+    "SLURM_GPUS_ON_NODE": dict(SLURM_GPUS_ON_NODE="8"),
+    "SLURM_JOB_GPUS": dict(SLURM_JOB_GPUS="0,1,2,3,4,5,6,7"),
+    "count": dict(SLURM_GPUS_PER_NODE="8"),
+    "gpu:count": dict(SLURM_GPUS_PER_NODE="gpu:8"),
+    "type:count": dict(SLURM_GPUS_PER_NODE="h100:8"),
+    "gres:type:count": dict(SLURM_GPUS_PER_NODE="gpu:h100:8"),
+    "two types": dict(SLURM_GPUS_PER_NODE="a100:4,v100:4"),
+    "--gpus=16": dict(SLURM_GPUS="16", SLURM_GPUS_ON_NODE="8", SLURM_JOB_GPUS="0,1,2,3,4,5,6,7"),
+    # --exclusive gives a job all of a node's GPUs, whatever --gpus-per-node asked
+    "--exclusive --gpus-per-node=2": dict(SLURM_GPUS_ON_NODE="8", SLURM_GPUS_PER_NODE="2",
+                                          SLURM_JOB_GPUS="0,1,2,3,4,5,6,7"),
+}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("given", EIGHT_GPUS)
+def test_a_gpu_job_runs_one_rank_per_gpu_on_every_node(tmp_path, given):
+    proc, args = _run_launch(tmp_path, SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node[1-2]",
+                             SLURM_JOB_CPUS_PER_NODE="64(x2)", **EIGHT_GPUS[given])
+    assert proc.returncode == 0, proc.stderr
+    assert "--nnodes=2" in args and "--nproc-per-node=8" in args
+    assert "stem: node 0/2 is" in proc.stdout and ": torchrun with 8 rank(s)" in proc.stdout
+    assert "2 node(s) x 8 rank(s) (one per GPU: SLURM_" in proc.stdout
+    assert (tmp_path / "srun_args.threads").read_text().strip() == "8"  # 64 CPUs / 8 ranks
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("env, procs", [({}, 1), ({"SLURM_GPUS_ON_NODE": "0"}, 1),
+                                        ({"SLURM_GPUS_ON_NODE": "8", "STEM_PROCS_PER_NODE": "2"}, 2)])
+def test_a_job_without_gpus_runs_one_rank_and_stem_procs_per_node_wins(tmp_path, env, procs):
+    proc, args = _run_launch(tmp_path, **env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"--nproc-per-node={procs}" in args
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("env, line", [
+    ({"SLURM_GPUS_PER_NODE": "h100"},
+     "SLURM_GPUS_PER_NODE=h100: cannot tell the GPUs per node from it; set STEM_PROCS_PER_NODE"),
+    ({"SLURM_GPUS": "4", "SLURM_GPUS_ON_NODE": "3", "SLURM_JOB_NUM_NODES": "2"},
+     "SLURM_GPUS=4 on 2 node(s), but 3 on this one: the nodes have different numbers of GPUs; "
+     "ask for them with --gpus-per-node"),
+    ({"STEM_PROCS_PER_NODE": "0"}, "STEM_PROCS_PER_NODE: expected a positive integer, got '0'"),
+])
+def test_gpus_that_cannot_be_split_into_ranks_are_one_error_line(tmp_path, env, line):
+    proc, args = _run_launch(tmp_path, **env)
+    assert proc.returncode == 2 and args == []
+    assert proc.stderr.strip().splitlines() == [f"stem: error: {line}"]
+
+
+FAILING_RANKS = """
+import os, pathlib, signal, sys, time
+ready = pathlib.Path(sys.argv[1])
+if os.environ["LOCAL_RANK"] == "0":
+    while not ready.exists():  # rank 1 handles SIGTERM
+        time.sleep(0.05)
+    sys.exit(3)
+def stop(*_):  # as the trainer does: a stop signal ends the step first
+    print("rank 1 got SIGTERM", file=sys.stderr, flush=True)
+    time.sleep(1)
+    sys.exit(1)
+signal.signal(signal.SIGTERM, stop)
+ready.touch()
+time.sleep(60)
+"""
+
+
+@pytest.mark.integration  # runs torchrun
+def test_torchrun_names_a_failed_rank_before_stopping_the_others(tmp_path):
+    """torchrun's own report comes only once the node's other ranks are stopped; by then
+    another node's may have come first and srun killed this one (docs/slurm.md)."""
+    script = tmp_path / "ranks.py"
+    script.write_text(FAILING_RANKS)
+    proc = subprocess.run([sys.executable, str(ROOT / "slurm" / "torchrun.py"), "--standalone",
+                           "--nproc-per-node=2", str(script), str(tmp_path / "ready")],
+                          capture_output=True, text=True,
+                          timeout=120, env=subprocess_env())
+    said = f"stem: {socket.gethostname()}: rank 0 (local rank 0) failed: exit code 3; " \
+           "stopping the node's other ranks"
+    assert proc.returncode == 1 and said in proc.stderr, proc.stderr
+    assert proc.stderr.index(said) < proc.stderr.index("rank 1 got SIGTERM")
 
 
 def test_arrays_that_can_be_empty_expand_safely_under_bash_4_2():

@@ -37,6 +37,7 @@ def test_steps_x_batch_x_sequence_is_the_papers_budget_within_2_percent(name, bu
 def test_the_long_context_stage_is_the_papers():
     r = recipe("stem_1b_long")
     assert r.model.seq_length == 32768
+    assert r.data.reset_attention_mask and r.data.reset_position_ids  # cross-document masking
     assert r.data.sources[0].dataset == "princeton-nlp/prolong-data-64K"
     mid = recipe("stem_1b_midtrain").data.sources
     assert [(s.dataset.split()[0], s.weight) for s in mid] == [

@@ -8,6 +8,8 @@ with its `safe_get_full_*` API on save and scattered back with `safe_set_full_*`
 
 from __future__ import annotations
 
+import pickle
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
 from megatron_stem.checkpoint import parallel_save_strategy
+from megatron_stem.errors import UserError
 from megatron_stem.training.table_optim import TableOptimizer, replay_deepspeed_steps
 
 OPTIM = "optim"
@@ -175,9 +178,27 @@ def _batches(named: list, budget: int):
 
 
 def save_train_state(folder: Path, step: int, extra: dict) -> None:
-    torch.save({"step": step, "rng_cpu": torch.get_rng_state(), **extra},
-               folder / TRAIN_STATE)
+    """`step`, the CPU generator's state and `extra`: numbers and tensors only, which
+    `load_train_state` reads without unpickling any object."""
+    state = {"step": step, "rng_cpu": torch.get_rng_state(), **extra}
+    bad = {k: type(v).__name__ for k, v in state.items()
+           if not isinstance(v, (int, float, torch.Tensor))}
+    if bad:
+        raise TypeError(f"train state: numbers and tensors only, got {bad}")
+    torch.save(state, folder / TRAIN_STATE)
 
 
 def load_train_state(ckpt: Path) -> dict:
-    return torch.load(ckpt / TRAIN_STATE, weights_only=False)
+    """The train state of `ckpt`, read with `weights_only=True`: a checkpoint may come from
+    a shared folder or a download, and unpickling an object can run any code. A file that
+    holds one (no version of this project wrote any) is refused in one line."""
+    path = ckpt / TRAIN_STATE
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f"a Python object ({found[1]})" if found else "a Python object"
+        raise UserError(f"{path}: refused: it holds {what}, not only the numbers and "
+                        "tensors of a train state, and loading it could run code (this "
+                        "project never writes one: the file was made or altered elsewhere)"
+                        ) from None
