@@ -32,6 +32,9 @@ from megatron_stem.training.table_optim import TableOptimizer, replay_deepspeed_
 
 OPTIM = "optim"
 TRAIN_STATE = "train_state.pt"
+# In the train state: optimizer steps taken before the run's step 1, by the run it was
+# initialized from with its optimizer states (`train.init_optimizer`); 0 for other runs.
+STEPS_BEFORE = "optimizer_steps_before"
 STATE_KEYS = ("fp32_param", "exp_avg", "exp_avg_sq")
 # A resume holds the full fp32 states of this many bytes of dense parameters at a time
 # (18 GB for all of the 1B backbone at once, on every rank).
