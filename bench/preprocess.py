@@ -1,6 +1,7 @@
 """Preprocessing: ours vs the fast path vs the reference libraries, per tokenizer kind.
 
-    python bench/preprocess.py [--sizes-mb 100 1000] [--workers 2] [--repeat 2]
+    python bench/preprocess.py [--sizes-mb 100 1000] [--workers 2] [--repeat 2] \
+        [--kinds sentencepiece huggingface]
 
 For each size, a JSON Lines corpus of real English text is made under /tmp (the shipped
 data_corpus/gcide.jsonl.gz, `--join` dictionary entries per document so that documents
@@ -19,11 +20,13 @@ so that their ratio is measured under the same load:
 
 Every path's .bin/.idx must be byte-identical to ours. Printed per path: the best wall
 time of `--repeat` runs, MB/s, its ratio to the fast path's in the same repeat (the median
-of those ratios), the same for CPU time (user + system, of the process and its
+of those ratios and their range; ours runs first in even repeats, the fast path in odd
+ones), the same for CPU time (user + system, of the process and its
 children: on a busy machine wall time mostly measures the neighbours, CPU time much
 less), and peak RSS (the largest process: ours is one process, the reference path's
-workers are measured one by one). The goal: ours <= 1.25x the fast path, with a peak RSS
-that does not grow with the input.
+workers are measured one by one), and the range of the load average (1 minute) seen
+at the start of each run. The goal: ours <= the fast path in wall and in CPU time, with a
+peak RSS that does not grow with the input.
 """
 
 import argparse
@@ -115,9 +118,13 @@ def fast_path(corpus: str, prefix: str, kind: str, model: str) -> None:
 # --- running and measuring ---------------------------------------------------------------
 
 
+LOADS = []  # the 1-minute load average at the start of each timed run
+
+
 def timed(argv: list, env: dict) -> tuple[float, float, float]:
     """(wall s, CPU s, peak RSS MB of the largest process) of a child process and its
     own children."""
+    LOADS.append(os.getloadavg()[0])
     start = time.perf_counter()
     child = subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE)
@@ -146,6 +153,12 @@ def outputs(out: Path, name: str) -> Path:
                   "reference": "reference_text_document"}[name]
 
 
+def spread(ratios: list) -> str:
+    """The median of the ratios, and their range when there are several."""
+    median = f"{statistics.median(ratios):.2f}"
+    return median if len(ratios) == 1 else f"{median} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def bench_size(megabytes: float, models: dict, args, tmp: Path) -> list:
     corpus = tmp / f"corpus-{megabytes:g}MB.jsonl"
     docs = make_corpus(corpus, megabytes, args.join)
@@ -153,7 +166,7 @@ def bench_size(megabytes: float, models: dict, args, tmp: Path) -> list:
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.workers),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     rows = []
-    for kind in KINDS:
+    for kind in args.kinds:
         out = tmp / f"out-{kind}"
         out.mkdir()
         cmds = commands(kind, models[kind], corpus, out, args.workers)
@@ -161,7 +174,10 @@ def bench_size(megabytes: float, models: dict, args, tmp: Path) -> list:
                                          else [])
         runs = {name: [] for name in names}
         for repeat in range(args.repeat):
-            for name in names[:2] if repeat else names:  # the reference path once
+            # Ours first in even repeats, the fast path first in odd ones; the reference
+            # path once.
+            order = names[:2] if repeat % 2 == 0 else names[1::-1]
+            for name in order + (names[2:] if repeat == 0 else []):
                 for stale in out.glob(f"{name.split()[0]}*"):  # ours would be up to date
                     stale.unlink()
                 runs[name].append(timed(cmds[name], env))
@@ -174,8 +190,8 @@ def bench_size(megabytes: float, models: dict, args, tmp: Path) -> list:
         for name in names:
             walls, cpus, rss = zip(*runs[name])
             rows.append((f"{size:,.0f} MB", kind, name, min(walls), size / min(walls),
-                         statistics.median(w / f[0] for w, f in zip(walls, fast)), min(cpus),
-                         statistics.median(c / f[1] for c, f in zip(cpus, fast)), max(rss)))
+                         spread([w / f[0] for w, f in zip(walls, fast)]), min(cpus),
+                         spread([c / f[1] for c, f in zip(cpus, fast)]), max(rss)))
         for path in out.iterdir():
             path.unlink() if path.is_file() else None
     corpus.unlink()
@@ -191,6 +207,8 @@ def main():
     ap.add_argument("--join", type=int, default=8,
                     help="dictionary entries per document (8: about 1.9 kB, web-like)")
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
+                    help="tokenizer kinds to run")
     ap.add_argument("--reference-max-mb", type=float, default=200,
                     help="run the reference path only on corpora up to this size (slow)")
     args = ap.parse_args()
@@ -204,14 +222,14 @@ def main():
             rows += bench_size(megabytes, models, args, tmp / "run")
             shutil.rmtree(tmp / "run")
     print(f"{len(os.sched_getaffinity(0))} CPUs, --workers {args.workers}, vocab "
-          f"{args.vocab:,}, best of {args.repeat}; load average now "
-          f"{os.getloadavg()[0]:.1f}; all outputs byte-identical")
+          f"{args.vocab:,}, best of {args.repeat}; load average {min(LOADS):.1f} to "
+          f"{max(LOADS):.1f} during the runs; all outputs byte-identical")
     print("| input | tokenizer | path | wall s | MB/s | wall / fast path's | CPU s "
           "| CPU / fast path's | peak RSS MB |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for size, kind, name, wall, rate, ratio, cpu, cpu_ratio, rss in rows:
-        print(f"| {size} | {kind} | {name} | {wall:.2f} | {rate:.1f} | {ratio:.2f} | {cpu:.2f} "
-              f"| {cpu_ratio:.2f} | {rss:,.0f} |")
+        print(f"| {size} | {kind} | {name} | {wall:.2f} | {rate:.1f} | {ratio} | {cpu:.2f} "
+              f"| {cpu_ratio} | {rss:,.0f} |")
 
 
 if __name__ == "__main__":

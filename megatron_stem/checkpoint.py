@@ -202,11 +202,30 @@ def load_model(model, ckpt: Path) -> None:
     model.load_state_dict(state)
 
 
+def parameter_shape(model) -> dict:
+    """What decides the shapes (and the set) of a model's parameters, by recipe field:
+    `seq_length`, `rotary_base`, `norm_eps` and `init_std` do not, so a run at another
+    sequence length or RoPE base loads the same checkpoint."""
+    return {"hidden_size": model.hidden_size, "num_layers": model.num_layers,
+            "num_attention_heads": model.num_attention_heads,
+            "num_query_groups": model.kv_heads, "ffn_hidden_size": model.ffn_hidden_size,
+            "vocab_size": model.vocab_size,
+            "make_vocab_size_divisible_by (padded vocab)": model.padded_vocab_size,
+            "untie_embeddings": model.untie_embeddings,
+            "stem_layers": model.stem_layer_indices}
+
+
 def check_same_shape(saved_recipe, recipe, ckpt: Path) -> None:
-    """A checkpoint of another model shape is a user error, not a size-mismatch traceback."""
-    saved, wanted = to_dict(saved_recipe.model), to_dict(recipe.model)
-    diffs = [f"model.{k}: checkpoint {saved[k]!r}, recipe {wanted[k]!r}"
-             for k in saved if saved[k] != wanted.get(k)]
+    """A checkpoint whose parameters have other shapes is a user error, not a size-mismatch
+    traceback (`parameter_shape`: the fields compared; the others may differ)."""
+    saved, wanted = parameter_shape(saved_recipe.model), parameter_shape(recipe.model)
+    diffs = [f"model.{k}: checkpoint {_shown(saved_recipe.model, k, saved[k])!r}, recipe "
+             f"{_shown(recipe.model, k, wanted[k])!r}" for k in saved if saved[k] != wanted[k]]
     if diffs:
         raise UserError(f"{Path(ckpt) / RECIPE}: checkpoint is of another model shape "
                         f"({'; '.join(diffs)})")
+
+
+def _shown(model, key: str, value):
+    """A compared value as the recipe gives it (a placement as written, not its layers)."""
+    return model.stem_layers if key == "stem_layers" else value

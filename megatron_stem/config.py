@@ -247,10 +247,56 @@ class ParallelConfig:
 
 
 @dataclass
+class DataSource:
+    """One source of a stage's training data: token files and their share of the samples."""
+
+    prefix: str  # `.bin/.idx` path prefix (without the extension), from preprocess_data.py
+    weight: float  # share of the stage's samples, relative to the other sources' weights
+    # Where the text comes from (e.g. a Hugging Face dataset and subset), for the record.
+    dataset: str = ""
+
+    def validate(self) -> None:
+        if not self.prefix:
+            raise ConfigError("prefix: must name the token files (a .bin/.idx prefix)")
+        if self.weight <= 0:
+            raise ConfigError(f"weight: must be positive, got {self.weight}")
+
+
+@dataclass
+class DataBlend:
+    """A data recipe (`recipes/data/*.yaml`): the sources of one training stage and their
+    weights, which a training recipe names as `data.blend`."""
+
+    sources: list[DataSource]
+
+    def validate(self) -> None:
+        if not self.sources:
+            raise ConfigError("sources: a data recipe needs at least one source")
+        prefixes = [s.prefix for s in self.sources]
+        for i, prefix in enumerate(prefixes):
+            if prefix in prefixes[:i]:
+                raise ConfigError(f"sources[{i}].prefix: {prefix} is listed twice")
+
+
+def load_blend(path: str | Path) -> DataBlend:
+    """A data recipe file, checked like a recipe; errors name the file and the field."""
+    data = _read_mapping(Path(path), "data recipe")
+    try:
+        return from_dict(DataBlend, data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+@dataclass
 class DataConfig:
     # `.bin/.idx` path prefixes (without the extension), mixed by `weights` (default equal).
     prefixes: list[str] = field(default_factory=list)
     weights: Optional[list[float]] = None
+    # Or a data recipe (recipes/data/*.yaml, a path from the working directory like every
+    # path here): its sources and weights, read into `sources` when the recipe is loaded,
+    # so a checkpoint's recipe.yaml keeps the blend it trained on.
+    blend: Optional[str] = None
+    sources: list[DataSource] = field(default_factory=list)
     split: str = "98,2,0"  # train, valid, test proportions of each prefix's documents
     tokenizer_type: Literal["sentencepiece", "huggingface"] = "sentencepiece"
     tokenizer_model: str = ""
@@ -264,12 +310,33 @@ class DataConfig:
     eod_mask_loss: bool = False
 
     def validate(self) -> None:
+        if self.blend is not None and not self.sources:
+            try:
+                self.sources = load_blend(self.blend).sources
+            except ConfigError as e:
+                raise ConfigError(f"blend: {e}") from None
+        if self.sources and (self.prefixes or self.weights is not None):
+            raise ConfigError(f"prefixes: the data is given by data.blend ({self.blend}) too; "
+                              "give one of them (data.blend=null to train on data.prefixes)")
         if self.weights is not None and len(self.weights) != len(self.prefixes):
             raise ConfigError(f"weights: {len(self.weights)} weights for "
                               f"{len(self.prefixes)} prefixes")
         parts = self.split.split(",")
         if len(parts) != 3 or not all(p.strip().replace(".", "", 1).isdigit() for p in parts):
             raise ConfigError(f"split: expected three numbers like '98,2,0', got {self.split!r}")
+
+    def training_blend(self) -> tuple[list[str], Optional[list[float]]]:
+        """(prefixes, weights or None for equal ones) of the training data, from either form."""
+        if self.sources:
+            return [s.prefix for s in self.sources], [s.weight for s in self.sources]
+        return list(self.prefixes), list(self.weights) if self.weights else None
+
+    def field_of(self, index: int) -> str:
+        """The recipe field that names prefix `index` of `training_blend()`, for errors."""
+        if self.sources:
+            return f"data.blend: {self.blend}: sources[{index}].prefix" if self.blend \
+                else f"data.sources[{index}].prefix"
+        return "data.prefixes"
 
 
 @dataclass
@@ -377,9 +444,15 @@ class TrainConfig:
     save_interval: int = 1000
     keep_last: int = 3
     save_dir: str = "runs/default"
-    # A checkpoint whose model weights start a new run (another run's iter_N, or the
-    # output of tools/from_hf.py). Ignored once save_dir holds a checkpoint to resume.
+    # A checkpoint whose model weights (backbone and tables) start a new run: the previous
+    # stage's iter_N (or its save dir: the `latest` one), or the output of tools/from_hf.py.
+    # Ignored once save_dir holds a checkpoint to resume. The new run keeps its own step
+    # count, schedule, data, save_dir and logs; only the parameters' shapes must match.
     init_from: Optional[str] = None
+    # With init_from: also start from its optimizer states (fp32 master weights and Adam
+    # moments, the backbone's and the tables'), their Adam step count continued. False: a
+    # fresh optimizer whose master copy is the checkpoint's weights in the training dtype.
+    init_optimizer: bool = False
     # Peak dense bf16 FLOP/s of one accelerator, for MFU (H100/H200 SXM: 989e12).
     peak_flops: float = 989e12
     # Deterministic kernels on a GPU, for debugging a difference between two runs (every
@@ -394,6 +467,9 @@ class TrainConfig:
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(f"global_batch_size: {self.global_batch_size} is not a multiple "
                               f"of micro_batch_size={self.micro_batch_size}")
+        if self.init_optimizer and not self.init_from:
+            raise ConfigError("init_optimizer: needs train.init_from, the checkpoint whose "
+                              "optimizer states to start from")
 
 
 @dataclass
@@ -444,18 +520,24 @@ def _read_yaml(path: Path, chain: tuple = ()) -> dict:
     """A recipe's mapping, with `inherit: other.yaml` (relative to the file) merged under it."""
     if path in chain:
         raise ConfigError(f"{path}: inherit cycle through {' -> '.join(map(str, chain))}")
+    data = _read_mapping(path, "recipe")
+    parent = data.pop("inherit", None)
+    if parent is None:
+        return data
+    return _deep_merge(_read_yaml((path.parent / parent).resolve(), chain + (path,)), data)
+
+
+def _read_mapping(path: Path, what: str) -> dict:
+    """A YAML file's top-level mapping (a recipe's sections, a data recipe's fields)."""
     if not path.is_file():
-        raise ConfigError(f"{path}: recipe file not found")
+        raise ConfigError(f"{path}: {what} file not found")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({e})") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a recipe must be a mapping of sections")
-    parent = data.pop("inherit", None)
-    if parent is None:
-        return data
-    return _deep_merge(_read_yaml((path.parent / parent).resolve(), chain + (path,)), data)
+        raise ConfigError(f"{path}: a {what} must be a YAML mapping")
+    return data
 
 
 def _deep_merge(base: dict, top: dict) -> dict:

@@ -162,7 +162,7 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     finished = finished_step(recipe)
     if finished is not None:
         return {"losses": [], "valid": [], "step": finished, "preempted": False}
-    check_prefixes(recipe.data.prefixes)
+    check_prefixes(recipe.data)
     tokenizer = tokenizer or _load_tokenizer(recipe)
     stop_signal = StopSignal()  # before anything slow (see there)
     init_distributed(recipe.parallel, seed=train.seed)

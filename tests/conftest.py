@@ -1,4 +1,7 @@
+import functools
+import importlib.util
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -54,6 +57,18 @@ def torchrun(nproc: int, script: str, *args: str, timeout: int = 600, exit_code:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n"
                     f"{proc.stderr[-8000:]}")
     return proc.stdout + (proc.stderr if exit_code else "")
+
+
+@functools.cache
+def tool_main(path: str):
+    """The `main` of a tools/ or bench/ script (a repository path), imported without
+    running it."""
+    assert (ROOT / path).is_file(), f"{path} does not exist"
+    name = "_tool_" + re.sub(r"\W", "_", path)  # tools/x.py and bench/x.py may share a stem
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
 
 
 def merge_rank_dumps(folder: Path) -> dict:

@@ -102,7 +102,7 @@ def test_every_shipped_recipe_loads():
     tokenizer_of = {}  # token files -> the tokenizer that made them
     for name in names:
         recipe = load_recipe(ROOT / "recipes" / name)
-        for prefix in recipe.data.prefixes:
+        for prefix in recipe.data.training_blend()[0]:
             made_by = tokenizer_of.setdefault(prefix, recipe.data.tokenizer_model)
             assert made_by == recipe.data.tokenizer_model, \
                 f"{name}: reads {prefix}, ids of {made_by}, with {recipe.data.tokenizer_model}"

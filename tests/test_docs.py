@@ -13,7 +13,6 @@ written by a command before it, so its walk-through uses the recipes' own paths.
 import argparse
 import contextlib
 import functools
-import importlib.util
 import io
 import re
 import shlex
@@ -25,6 +24,7 @@ from unittest import mock
 import pytest
 
 from conftest import ROOT
+from conftest import tool_main as script_main
 from megatron_stem.config import load_recipe
 from megatron_stem.errors import ConfigError
 
@@ -91,24 +91,14 @@ def parsed_args(main, argv: list[str], what: str) -> argparse.Namespace:
     pytest.fail(f"{what}: main() returned without parsing its arguments")
 
 
-@functools.cache
-def script_main(path: str):
-    """The `main` of a tools/ or bench/ script, imported without running it."""
-    assert (ROOT / path).is_file(), f"{path} does not exist"
-    name = "_docs_" + re.sub(r"\W", "_", path)  # tools/x.py and bench/x.py may share a stem
-    spec = importlib.util.spec_from_file_location(name, ROOT / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
-
-
 def recipe_step(recipe: str, overrides: list[str]) -> Step:
     """A training run's recipe, validated with `overrides`: its data in, checkpoints out."""
     try:
         r = load_recipe(ROOT / recipe, overrides)
     except ConfigError as e:
         pytest.fail(f"recipe {recipe} with {overrides}: {e}")
-    return Step(reads=[*r.data.prefixes, r.data.tokenizer_model], writes=[r.train.save_dir])
+    return Step(reads=[*r.data.training_blend()[0], r.data.tokenizer_model,
+                       *filter(None, [r.train.init_from])], writes=[r.train.save_dir])
 
 
 # --- one check per program --------------------------------------------------------------
@@ -118,6 +108,8 @@ TOOL_PATHS = {  # what a tool reads and writes, from its parsed arguments
         reads=[*a.input, a.tokenizer_model],
         writes=[f"{a.output_prefix}_{key}_document" for key in a.json_keys]),
     "tools/train_tokenizer.py": lambda a: Step(reads=a.input, writes=[f"{a.output_prefix}.model"]),
+    "tools/mds_to_megatron.py": lambda a: Step(reads=[*a.input, a.tokenizer_model],
+                                               writes=[f"{a.output_prefix}_text_document"]),
     "tools/to_hf.py": lambda a: Step(reads=[a.checkpoint, *filter(None, [a.tokenizer])],
                                      writes=[a.output]),
 }
@@ -315,7 +307,8 @@ def test_sbatch_comments_name_the_recipes_paths():
     for name, recipe_file in scripts.items():
         recipe = load_recipe(ROOT / recipe_file)
         comments = (ROOT / "slurm" / name).read_text()
-        for path in (*recipe.data.prefixes, recipe.data.tokenizer_model):
+        data = [recipe.data.blend] if recipe.data.blend else recipe.data.prefixes
+        for path in (*data, recipe.data.tokenizer_model, *filter(None, [recipe.train.init_from])):
             assert path in comments, f"slurm/{name}: say where {path} comes from"
 
 

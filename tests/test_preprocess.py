@@ -5,10 +5,12 @@ is counted and located; the bytes do not depend on workers, chunking or interrup
 import gzip
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -422,6 +424,50 @@ def test_fix_a_bad_shard_and_resume(shards, reference, sp_model, tmp_path):
     stats = run([inputs], tmp_path / "out", sp_model, on_error="fail", chunk_bytes=10_000)
     assert stats["this_run"]["shards_resumed"] >= 3
     assert output_bytes(stats["outputs"]["text"]) == reference
+
+
+def test_parts_reach_the_disk_before_their_records(tmp_path, sp_model, monkeypatch):
+    """Each part is synced to disk before the manifest that marks it complete, and by the
+    main thread: no worker waits on the disk while it could tokenize."""
+    synced = []
+    fsync = os.fsync
+
+    def recorded_fsync(fd):
+        synced.append((threading.current_thread() is threading.main_thread(),
+                       os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    write(tmp_path / "in.jsonl", jsonl_bytes({"text": f"document {i}"} for i in range(300)))
+    stats = run([tmp_path / "in.jsonl"], tmp_path / "out", sp_model, workers=2,
+                chunk_bytes=1000, tokenizer_backend="gigatoken")
+    assert all(main for main, _ in synced)
+    names = [name for _, name in synced]
+    manifests = [i for i, name in enumerate(names) if re.fullmatch(r"\d{6}\.json\.tmp\d+", name)]
+    assert len(manifests) == stats["chunks"] > 4
+    for i in manifests:
+        chunk = names[i][:6]
+        assert {f"{chunk}_text.bin", f"{chunk}_text.idx"} <= set(names[:i]), names[i]
+
+
+def test_a_gigatoken_run_starts_lean(tmp_path, sp_model):
+    """Its workers are threads, and nothing else is started either (a lock of
+    multiprocessing's starts its resource tracker, a Python process of its own); JSON
+    Lines need no Arrow compute (its import is 0.05 s of CPU, holding the GIL)."""
+    write(tmp_path / "in.jsonl", jsonl_bytes({"text": f"document {i}"} for i in range(50)))
+    script = ("import glob, sys\n"
+              "from megatron_stem.data.preprocess import PreprocessConfig, preprocess\n"
+              "preprocess(PreprocessConfig(inputs=[sys.argv[1]], output_prefix=sys.argv[2], "
+              "tokenizer_type='sentencepiece', tokenizer_model=sys.argv[3], workers=2, "
+              "tokenizer_backend='gigatoken'), log=None)\n"
+              "print(sum(len(open(f).read().split()) "
+              "for f in glob.glob('/proc/self/task/*/children')))\n"
+              "print('pyarrow.compute' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.jsonl"),
+                           str(tmp_path / "out"), str(sp_model)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0", "False"]  # child processes, Arrow compute imported
 
 
 def test_array_groups_then_merge(shards, reference, sp_model, tmp_path):

@@ -4,7 +4,9 @@ skips: on the shipped corpus and on text made to break them."""
 
 import gzip
 import json
+import random
 import re
+import threading
 
 import numpy as np
 import pyarrow as pa
@@ -185,11 +187,41 @@ def test_verify_tokenizer_stops_a_run_on_a_difference(tmp_path, sp_model, monkey
         r"^--verify-tokenizer: gigatoken's ids differ from the reference library's for "
         r".*\.model on 'text' of document 5 of .*in.jsonl chunk 0 at token 0 .*; rerun with "
         r"--tokenizer-backend reference$", message), message
-    assert not list((tmp_path / "auto").glob("out.parts/*/*.bin"))  # nothing was written
+    # Nothing was kept: neither the parts tokenized meanwhile nor a record of them.
+    assert not list((tmp_path / "auto").glob("out.parts/*/0*"))
     # Small N: a difference after the first N documents is not looked for.
     stats = _run(tmp_path, [tmp_path / "in.jsonl"], "sentencepiece", sp_model, "auto",
                  verify_docs=4)
     assert stats["documents"] == 50
+
+
+def test_the_check_runs_while_the_workers_tokenize(tmp_path, sp_model, monkeypatch):
+    """The reference library encodes the run's first documents while every worker already
+    tokenizes a chunk (its time is not the run's start-up), and no chunk is recorded
+    before the check has passed."""
+    from megatron_stem.data import worker
+
+    (tmp_path / "in.jsonl").write_bytes(b"".join(
+        json.dumps({"text": f"document number {i}"}).encode() + b"\n" for i in range(400)))
+    started, tokenize = threading.Semaphore(0), worker.tokenize_chunk
+
+    def tokenize_counted(*args, **kw):
+        started.release()
+        return tokenize(*args, **kw)
+
+    reference_encode = ReferenceEncoder.encode
+
+    def encode_once_both_workers_run(self, texts):
+        for _ in range(2):
+            assert started.acquire(timeout=30), "the check ran before the workers started"
+        assert not list(tmp_path.glob("auto/out.parts/*/0*.json")), "recorded unchecked"
+        return reference_encode(self, texts)
+
+    monkeypatch.setattr(worker, "tokenize_chunk", tokenize_counted)
+    monkeypatch.setattr(ReferenceEncoder, "encode", encode_once_both_workers_run)
+    stats = _run(tmp_path, [tmp_path / "in.jsonl"], "sentencepiece", sp_model, "auto",
+                 workers=2, chunk_bytes=2000)
+    assert stats["documents"] == 400 and stats["chunks"] > 4
 
 
 # --- native parsing vs the per-record readers --------------------------------------------
@@ -245,6 +277,29 @@ def test_native_parquet_agrees(tmp_path, corpus_texts):
 
 def test_blank_means_what_python_calls_whitespace():
     assert set(WHITESPACE) == {c for c in map(chr, range(0x110000)) if c.isspace()}
+
+
+def test_native_parsing_finds_the_blank_texts_python_finds(tmp_path):
+    """Blank texts are found by their first byte, then by Python on a head of 256 bytes
+    (then on the whole text): whitespace runs across that head, characters cut by it,
+    non-blank characters that share a first byte with whitespace ones."""
+    rng = random.Random(0)
+    near = "b\u00e9\u00a9\u2019\u1681\u3001\u4e2d\U0001F680"  # first bytes of blanks
+    texts = [pad * n + c for pad in (" ", "\u3000", "\n\u2003") for n in (1, 85, 86, 128, 300)
+             for c in ("", "b", "\u00e9", "\u3000", "\u2019")]
+    texts += ["".join(rng.choice(WHITESPACE + near) for _ in range(rng.randint(1, 300)))
+              for _ in range(1000)]
+    texts += ["".join(rng.choice(WHITESPACE) for _ in range(rng.randint(1, 400)))
+              for _ in range(300)]
+    (tmp_path / "in.jsonl").write_bytes(b"".join(
+        json.dumps({"text": t}, ensure_ascii=i % 2 == 0).encode() + b"\n"
+        for i, t in enumerate(texts)))
+    chunks = list(_both_ways(tmp_path / "in.jsonl", chunk_bytes=20_000))
+    assert len(chunks) > 3 and all(native is not None for native, _ in chunks)
+    for native, per_record in chunks:
+        assert native == per_record
+    skipped = sum(len(native[1]) for native, _ in chunks)
+    assert skipped == sum(t.isspace() for t in texts) > 300
 
 
 def test_a_reloaded_encoder_gives_the_same_ids(tokenizer, corpus_texts):

@@ -5,7 +5,8 @@
 
 Prints, per rank per step, every component's bytes/FLOPs/elements and seconds for the
 dense baseline, the recipe's configured table option and the best one, then every option
-ranked, and ends with `predicted step time STEM <s> s, dense <s> s, ratio <r>` for the
+ranked, then the memory per GPU of both recipes as configured (parameters, gradients,
+optimizer states, tables, activations; planning/memory.py), and ends with `predicted step time STEM <s> s, dense <s> s, ratio <r>` for the
 option `--choose` names: `recipe` (default: what the recipe trains with), `best` (the
 fastest exact option with the tables' optimizer states in CPU memory), `best-any` (GPU
 states may compete), or an explicit placement/update/partition/overlap/optimizer.
@@ -19,7 +20,7 @@ import sys
 
 from megatron_stem.config import load_recipe
 from megatron_stem.errors import UserError, cli
-from megatron_stem.planning import hardware, report, rows, step
+from megatron_stem.planning import hardware, memory, report, rows, step
 
 
 def parse_args(argv=None):
@@ -74,9 +75,9 @@ def main(argv=None) -> int:
     w = dataclasses.replace(step.workload(stem_recipe, cluster, args.zipf, override,
                                           name=args.recipe), owner_skew=args.owner_skew)
     wd = step.workload(dense_recipe, cluster, args.zipf, name=args.baseline)
-    memory = _host_memory(args, hw)
-    dense = step.plan(wd, None, cluster, hw, memory)
-    plans = step.rank(w, cluster, hw, memory)
+    host_memory = _host_memory(args, hw)
+    dense = step.plan(wd, None, cluster, hw, host_memory)
+    plans = step.rank(w, cluster, hw, host_memory)
     best = step.best(plans, "cpu")
     configured = next(p for p in plans if p.option == step.configured_option(stem_recipe))
     chosen = {"recipe": configured, "best": best,
@@ -101,6 +102,13 @@ def main(argv=None) -> int:
         seen.append(p)
         out += report.components(f"STEM, {title}: {p.option}", p) + [""]
     out += report.ranking(plans, dense, best) + [""]
+    for title, recipe, rank_rows in (
+            (f"dense baseline ({args.baseline})", dense_recipe, None),
+            (f"STEM as the recipe trains it ({args.recipe}: {configured.option})",
+             stem_recipe, args.rank_rows)):
+        out += memory.report(memory.memory_per_gpu(
+            recipe, cluster, hw, args.zipf, rank_rows,
+            title=f"memory per GPU (predicted: counts x bytes), {title}")) + [""]
     out.append(f"choice: {args.choose} = {chosen.option}")
     out.append(report.verdict(chosen, dense))
     print("\n".join(out))

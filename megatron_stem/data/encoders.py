@@ -26,6 +26,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from megatron_stem.data.columns import string_buffers
 from megatron_stem.errors import UserError
 from megatron_stem.tokenizer import HuggingFaceTokenizer, SentencePieceTokenizer, Tokenizer
 
@@ -110,15 +111,10 @@ def _awkward_strings(array) -> "awkward.Array":  # noqa: F821
     """An Arrow string array as the awkward array of strings gigatoken reads, sharing
     the text buffer (only the offsets are widened to int64)."""
     import awkward as ak
-    import pyarrow as pa
 
     if array.null_count:
         raise ValueError("null texts cannot be encoded")
-    width = 8 if pa.types.is_large_string(array.type) else 4
-    _, offsets, data = array.buffers()
-    offsets = np.frombuffer(offsets, np.int32 if width == 4 else np.int64, len(array) + 1,
-                            array.offset * width).astype(np.int64)
-    chars = np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
+    offsets, chars = string_buffers(array)
     return ak.Array(ak.contents.ListOffsetArray(
         ak.index.Index64(offsets),
         ak.contents.NumpyArray(chars, parameters={"__array__": "char"}),

@@ -102,7 +102,7 @@ class PartWriter:
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """`tokens`: the documents' ids back to back; `lengths`: tokens per document."""
-        self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype))  # no copy if it is
         self._lengths.append(np.asarray(lengths, dtype=np.int32))
 
     def abort(self) -> None:
@@ -112,21 +112,35 @@ class PartWriter:
             if os.path.exists(path):
                 os.remove(path)
 
-    def close(self) -> None:
+    def close(self, sync: bool = True) -> None:
+        """Write the index and close. `sync`: flush both files to disk first; a caller
+        passing False calls `sync` itself before anything relies on the part."""
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
-        _finish(self._bin)
+        _finish(self._bin, sync)
         with open(idx_path(self.prefix), "wb") as f:
             _write_header(f, self.dtype, len(lengths), len(lengths) + 1)
             f.write(lengths.tobytes())
             f.write(_pointers(lengths, 0, np.dtype(self.dtype).itemsize).tobytes())
             f.write(np.arange(len(lengths) + 1, dtype=np.int64).tobytes())
-            _finish(f)
+            _finish(f, sync)
 
 
-def _finish(f) -> None:
-    """Flush to disk before the caller renames: a finished name never points at lost data."""
+def sync(prefix: str) -> None:
+    """Flush a written `.bin/.idx` pair to disk."""
+    for path in (bin_path(prefix), idx_path(prefix)):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _finish(f, sync: bool = True) -> None:
+    """Flush to disk (`sync`) before the caller renames or records: a finished name or a
+    record never points at lost data."""
     f.flush()
-    os.fsync(f.fileno())
+    if sync:
+        os.fsync(f.fileno())
     f.close()
 
 

@@ -5,8 +5,8 @@ How it works:
 1. The main process reads the shards in order (decompressing as it goes) and cuts them
    into chunks (`readers.read_chunks`); a chunk is the same in every run.
 2. Workers (`worker.py`) tokenize chunks and write each one as its own small `.bin/.idx`
-   part under `<output-prefix>.parts/` (tmp name, fsync, rename; the main process then
-   writes a JSON manifest: a manifest means the part is complete). With gigatoken
+   part under `<output-prefix>.parts/` (tmp name, rename; the main process then syncs it
+   to disk and writes a JSON manifest: a manifest means the part is complete). With gigatoken
    (`encoders.py`, the default where it loads the tokenizer) the workers are threads:
    gigatoken, Arrow's JSON reader and the writes all release the GIL. With the reference
    libraries they are processes, and token ids never travel back to the main process.
@@ -26,15 +26,13 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import multiprocessing
 import os
 import re
 import shutil
 import sys
 import time
 from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import FIRST_COMPLETED, BrokenExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence, TextIO
 
@@ -42,12 +40,12 @@ import numpy as np
 
 from megatron_stem.data.encoders import (BACKENDS, GigatokenEncoder, ReferenceEncoder,
                                          first_difference, load_encoder)
-from megatron_stem.data.indexed import bin_path, idx_path, merge, token_dtype
+from megatron_stem.data.indexed import bin_path, idx_path, merge, sync, token_dtype
 from megatron_stem.data.progress import Progress
 from megatron_stem.data.readers import (SKIP_REASONS, Chunk, Shard, Skip, find_shards, iter_records,
                                         read_chunks)
-from megatron_stem.data.worker import (BadRecord, ChunkTokenizer, WorkerSettings, fail_message,
-                                       init_worker, work)
+from megatron_stem.data.worker import (BadRecord, ChunkTokenizer, ThreadCounters, WorkerSettings,
+                                       fail_message, init_worker, work)
 from megatron_stem.errors import UserError
 from megatron_stem.tokenizer import load_tokenizer
 
@@ -243,13 +241,17 @@ class _Job:
         if note:
             self._say(f"note: {note}")
         self.encoder = encoder
-        ctx = multiprocessing.get_context("spawn")  # no forked copies of our threads or state
-        self.counters = ctx.Array("q", 2)
         settings = WorkerSettings(cfg.tokenizer_type, cfg.tokenizer_model, encoder.name,
                                   tuple(self.keys), self.tokenizer.eod if cfg.append_eod else None,
                                   cfg.on_error == "fail", np.dtype(self.dtype).name)
         if isinstance(encoder, GigatokenEncoder):
+            self.counters = ThreadCounters()
             return ThreadPoolExecutor(cfg.workers), ChunkTokenizer(settings, encoder, self.counters)
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = multiprocessing.get_context("spawn")  # no forked copies of our threads or state
+        self.counters = ctx.Array("q", 2)
         return ProcessPoolExecutor(cfg.workers, ctx, init_worker, (settings, self.counters)), work
 
     def _verify(self, chunk: Chunk) -> None:
@@ -278,7 +280,11 @@ class _Job:
         cfg = self.cfg
         progress = Progress(self.log, sum(s.size for s in shards), cfg.log_interval)
         executor, task = self._executor()
+        # gigatoken's ids are checked on the run's first chunk once every worker has a
+        # chunk, so that the check (the reference library's time) holds up no worker, and
+        # before any chunk is recorded: what was tokenized unchecked is never kept.
         unverified = isinstance(self.encoder, GigatokenEncoder) and cfg.verify_docs > 0
+        first = None  # the run's first chunk
         inflight = {}
         try:
             for shard in shards:
@@ -300,18 +306,24 @@ class _Job:
                     # Bounded read-ahead: at most two chunks of text per worker in memory.
                     while len(inflight) >= 2 * cfg.workers:
                         self._collect(inflight, progress, timeout=0.25)
-                    if unverified:
-                        self._verify(item)
-                        unverified = False
                     prefixes = self._part_prefixes(state.dir, item.index)
                     inflight[executor.submit(task, item, prefixes)] = (state, item)
                     state.pending += 1
+                    first = first or item
+                    if unverified and len(inflight) < cfg.workers:
+                        continue
+                    if unverified:
+                        self._verify(first)
+                        unverified = False
                     self._collect(inflight, progress, timeout=0)
                 state.read = True
                 self._close_shard(state)
+            if unverified and first is not None:  # fewer chunks than workers
+                self._verify(first)
+                unverified = False
             while inflight:
                 self._collect(inflight, progress, timeout=0.25)
-        except BrokenProcessPool as e:
+        except BrokenExecutor as e:  # a BrokenProcessPool: threads cannot die alone
             raise RuntimeError("a worker process died (killed, or out of memory?); "
                                "rerun the same command to resume") from e
         finally:
@@ -319,7 +331,11 @@ class _Job:
             # recorded, so that the next run need not redo them.
             executor.shutdown(wait=True, cancel_futures=True)
             for future, (state, chunk) in inflight.items():
-                if not future.cancelled() and future.exception() is None:
+                if future.cancelled() or future.exception() is not None:
+                    continue
+                if unverified:
+                    self._discard(state, chunk)
+                else:
                     self._record(state, chunk, future.result(), progress)
             progress.close()
 
@@ -369,7 +385,12 @@ class _Job:
         progress.tick()
 
     def _record(self, state: _ShardState, chunk: Chunk, summary: dict, progress: Progress):
-        """A finished chunk: its manifest marks its parts complete."""
+        """A finished chunk: its manifest marks its parts complete.
+
+        The parts are synced to disk here, not by the workers, so that no worker waits on
+        the disk with a CPU idle (this thread mostly waits anyway)."""
+        for prefix in self._part_prefixes(state.dir, chunk.index).values():
+            sync(prefix)
         _atomic_json(self._chunk_json(state.dir, chunk.index), summary)
         state.pending -= 1
         progress.add(input_bytes=chunk.input_bytes, disk_bytes=chunk.disk_bytes)
@@ -379,6 +400,13 @@ class _Job:
         for error in summary["errors"]:
             self._live_error(state.shard.path, error, progress)
         self._close_shard(state)
+
+    def _discard(self, state: _ShardState, chunk: Chunk) -> None:
+        """A finished chunk that is not to be kept: its parts are removed."""
+        for prefix in self._part_prefixes(state.dir, chunk.index).values():
+            for path in (bin_path(prefix), idx_path(prefix)):
+                if os.path.exists(path):
+                    os.remove(path)
 
     def _close_shard(self, state: _ShardState) -> None:
         """Once all its chunks are finished, mark the shard done with its totals."""

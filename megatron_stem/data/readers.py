@@ -178,17 +178,16 @@ def _read_errors() -> tuple:
     return tuple(errors)
 
 
-def _blocks(shard: Shard) -> Iterator[tuple[bytes, int]]:
-    """Decompressed blocks of the file, each with the on-disk position reached."""
-    with open(shard.path, "rb") as raw:
-        if shard.compression == "zst":
-            yield from _zstd_blocks(raw)
-            return
-        # read1: whatever one step decompressed, so that a truncated file gives up all its
-        # data before raising (read(n) would drop the partial block with the exception).
-        read = gzip.GzipFile(fileobj=raw).read1 if shard.compression == "gz" else raw.read
-        while block := read(_BLOCK):
-            yield block, raw.tell()
+def _blocks(raw, compression: str) -> Iterator[tuple[bytes, int]]:
+    """Decompressed blocks of a compressed file, each with the on-disk position reached."""
+    if compression == "zst":
+        yield from _zstd_blocks(raw)
+        return
+    # read1: whatever one step decompressed, so that a truncated file gives up all its
+    # data before raising (read(n) would drop the partial block with the exception).
+    read = gzip.GzipFile(fileobj=raw).read1
+    while block := read(_BLOCK):
+        yield block, raw.tell()
 
 
 def _zstd_blocks(raw) -> Iterator[tuple[bytes, int]]:
@@ -215,40 +214,106 @@ def _zstd_blocks(raw) -> Iterator[tuple[bytes, int]]:
         raise EOFError("zstd stream ended before the end of its frame")
 
 
+class _Cutter:
+    """Makes a text shard's chunks in order: their index, first line and share of the
+    file on disk."""
+
+    def __init__(self, shard: Shard):
+        self.shard, self.index, self.line, self.disk_done = shard, 0, 1, 0
+
+    def __call__(self, data: bytes, disk_end: int) -> Chunk:
+        chunk = Chunk(self.shard, self.index, self.line, max(disk_end - self.disk_done, 0),
+                      len(data), data=data)
+        self.line += _count_lines(data)
+        self.index += 1
+        self.disk_done = max(self.disk_done, disk_end)
+        return chunk
+
+
+def _count_lines(data: bytes) -> int:
+    # numpy, not bytes.count: four times faster, and it lets the worker threads run.
+    import numpy as np
+
+    return int(np.count_nonzero(np.frombuffer(data, np.uint8) == ord("\n")))
+
+
 def _text_chunks(shard: Shard, chunk_bytes: int) -> Iterator[Union[Chunk, Skip]]:
     # A chunk ends at the first newline at or after `chunk_bytes` from its start.
-    pending: list[bytes] = []
-    size, line, index, disk_done, position = 0, 1, 0, 0, 0
+    if shard.compression is None:
+        return _plain_chunks(shard, chunk_bytes)
+    return _decompressed_chunks(shard, chunk_bytes)
 
-    def chunk(data: bytes, disk_end: int) -> Chunk:
-        nonlocal line, index, disk_done
-        c = Chunk(shard, index, line, max(disk_end - disk_done, 0), len(data), data=data)
-        line += data.count(b"\n")
-        index += 1
-        disk_done = max(disk_done, disk_end)
-        return c
 
+def _plain_chunks(shard: Shard, chunk_bytes: int) -> Iterator[Union[Chunk, Skip]]:
+    """An uncompressed file's chunks, each read with one read of its own bytes: the main
+    process copies nothing (joining and cutting blocks was a tenth of a run's CPU time)."""
+    cut, start = _Cutter(shard), 0
     try:
-        for block, position in _blocks(shard):
-            pending.append(block)
-            size += len(block)
-            if size < chunk_bytes:
-                continue
-            data, start = b"".join(pending), 0
-            while end := data.find(b"\n", start + chunk_bytes - 1) + 1:
-                yield chunk(data[start:end], position)
+        with open(shard.path, "rb", buffering=0) as raw:
+            while True:
+                end = _line_end(raw.fileno(), start + chunk_bytes - 1)
+                data = _pread(raw.fileno(), start, end)
+                if not data:
+                    return
+                yield cut(data, start + len(data))
+                if end is None:
+                    return
                 start = end
-            pending = [data[start:]] if start < len(data) else []
-            size = len(data) - start
+    except _read_errors() as e:
+        yield Skip(cut.line, READ_ERROR, f"file ends early or is corrupt ({e})")
+
+
+def _line_end(fd: int, offset: int) -> Optional[int]:
+    """The offset just past the first newline at or after `offset`; None if there is none
+    before the end of the file."""
+    size = 1 << 16
+    while block := os.pread(fd, size, offset):
+        newline = block.find(b"\n")
+        if newline >= 0:
+            return offset + newline + 1
+        offset, size = offset + len(block), min(2 * size, _BLOCK << 4)
+    return None
+
+
+def _pread(fd: int, start: int, end: Optional[int]) -> bytes:
+    """The bytes from `start` to `end` (None: to the end of the file)."""
+    if end is None:
+        end = max(os.fstat(fd).st_size, start)
+    data = os.pread(fd, end - start, start)
+    while len(data) < end - start:  # a short read; a file that shrank gives what is left
+        more = os.pread(fd, end - start - len(data), start + len(data))
+        if not more:
+            break
+        data += more
+    return data
+
+
+def _decompressed_chunks(shard: Shard, chunk_bytes: int) -> Iterator[Union[Chunk, Skip]]:
+    pending: list[bytes] = []
+    size, position = 0, 0
+    cut = _Cutter(shard)
+    try:
+        with open(shard.path, "rb") as raw:
+            for block, position in _blocks(raw, shard.compression):
+                pending.append(block)
+                size += len(block)
+                if size < chunk_bytes:
+                    continue
+                data, start = b"".join(pending), 0
+                while end := data.find(b"\n", start + chunk_bytes - 1) + 1:
+                    yield cut(data[start:end], position)
+                    start = end
+                pending = [data[start:]] if start < len(data) else []
+                size = len(data) - start
     except _read_errors() as e:
         data = b"".join(pending)
         end = data.rfind(b"\n") + 1  # the partial line before the break is lost with it
         if end:
-            yield chunk(data[:end], position)
-        yield Skip(line, READ_ERROR, f"file ends early or is corrupt ({e})")
+            yield cut(data[:end], position)
+        yield Skip(cut.line, READ_ERROR, f"file ends early or is corrupt ({e})")
         return
     if pending:
-        yield chunk(b"".join(pending), shard.size)
+        yield cut(b"".join(pending), shard.size)
 
 
 def _lines(chunk: Chunk) -> Iterator[tuple[int, bytes]]:

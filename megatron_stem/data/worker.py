@@ -58,7 +58,7 @@ def tokenize_chunk(chunk: Chunk, encoder, keys: Sequence[str], eod: Optional[int
         for key, column in zip(keys, texts):
             flat, lengths = encoder.encode(column)
             if eod is not None:
-                flat, lengths = np.insert(flat, np.cumsum(lengths), eod), lengths + 1
+                flat, lengths = _with_eod(flat, lengths, eod, dtype)
             writers[key].add(flat, lengths)
             tokens[key] += len(flat)
             batch_tokens += len(flat)
@@ -75,7 +75,7 @@ def tokenize_chunk(chunk: Chunk, encoder, keys: Sequence[str], eod: Optional[int
             for batch in _record_batches(chunk, keys, skip):
                 write(batch)
         for w in writers.values():
-            w.close()
+            w.close(sync=False)  # the main process syncs the part before recording it
     except BaseException:
         for k in keys:
             writers[k].abort()
@@ -86,6 +86,19 @@ def tokenize_chunk(chunk: Chunk, encoder, keys: Sequence[str], eod: Optional[int
     return {"index": chunk.index, "first_line": chunk.first_line, "documents": docs,
             "tokens": {k: tokens[k] for k in keys}, "input_bytes": chunk.input_bytes,
             "skipped": dict(skipped), "errors": errors}
+
+
+def _with_eod(flat: np.ndarray, lengths: np.ndarray, eod: int,
+              dtype: type) -> tuple[np.ndarray, np.ndarray]:
+    """The documents' ids with `eod` after each, made in `dtype` in one pass (np.insert,
+    then a cast, took three)."""
+    out = np.empty(len(flat) + len(lengths), dtype)
+    ends = np.cumsum(lengths + 1) - 1
+    tokens = np.ones(len(out), bool)
+    tokens[ends] = False
+    out[tokens] = flat
+    out[ends] = eod
+    return out, lengths + 1
 
 
 def _record_batches(chunk: Chunk, keys: Sequence[str],
@@ -121,9 +134,28 @@ class WorkerSettings:
     dtype: str
 
 
+class ThreadCounters:
+    """Documents and tokens tokenized so far, for worker threads: what worker processes
+    share as a `multiprocessing.Array("q", 2)`, whose lock is a named semaphore that
+    starts multiprocessing's resource tracker (a Python process of its own) to clean up."""
+
+    def __init__(self):
+        self._lock, self._values = threading.Lock(), [0, 0]
+
+    def get_lock(self) -> threading.Lock:
+        return self._lock
+
+    def __getitem__(self, i: int) -> int:
+        return self._values[i]
+
+    def __setitem__(self, i: int, value: int) -> None:
+        self._values[i] = value
+
+
 class ChunkTokenizer:
     """`tokenize_chunk` with fixed settings and one encoder, reporting documents and tokens
-    to shared counters (a `multiprocessing.Array` of two, read by the progress line).
+    to counters shared with the progress line (`ThreadCounters`, or a
+    `multiprocessing.Array` of two across processes).
 
     A worker process holds one; with gigatoken, which releases the GIL, the main process
     holds one that its worker threads share.

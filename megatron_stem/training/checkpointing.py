@@ -12,7 +12,17 @@ One `Checkpointer` per run, made by `train.run` once the process group exists:
 
 The weights go in before the engine exists because DeepSpeed (and `TableOptimizer`, for
 the tables) takes its fp32 master copy from the model when it is built; a run started
-from `train.init_from` has no optimizer state that would put them there later.
+from `train.init_from` without `train.init_optimizer` has no optimizer state that would
+put them there later.
+
+A run started from another run's checkpoint (`train.init_from`: the next stage of a
+pipeline) is a new run: step 0, its own schedule, data, save_dir and logs. Only the
+parameters' shapes must match (`checkpoint.check_same_shape`); the sequence length, RoPE
+base and layout (TP, DP, table partition) may change, as on a resume. With
+`train.init_optimizer` its optimizer states are loaded as a resume loads them, and their
+Adam step count goes on from the source's (`optimizer_steps` in the train state: the
+steps the optimizers applied, across stages, a skipped step not among them), so bias
+correction does not restart on moments that are not fresh.
 
 This module decides; the layers below write: `megatron_stem/checkpoint.py` (folders,
 atomic commit, `latest`, verification; shared with the tools) and `training/state.py`
@@ -34,9 +44,11 @@ from megatron_stem.errors import UserError
 from megatron_stem.training.tables.shards import ROW_ORDER, check_row_order
 from megatron_stem.training.state import (
     OPTIM,
+    OPTIMIZER_STEPS,
     TRAIN_STATE,
     load_optimizers,
     load_train_state,
+    optimizer_steps,
     save_optimizers,
     save_train_state,
 )
@@ -60,13 +72,21 @@ class Checkpointer:
         init_from = recipe.train.init_from
         self.init_from = checkpoint.resolve(init_from) \
             if self.resume_from is None and init_from else None
+        if self.init_from is not None and recipe.train.init_optimizer:
+            _check_has_optimizer(self.init_from)
+        # Optimizer steps taken before this run's step 1 (by the runs it was initialized
+        # from, with their optimizer states): the Adam step is this + the run's step.
         self._parts = None  # (model, engine, tables), given by `resume`
 
     def origin(self) -> str:
         """Where the run starts, as its first log line says it."""
         if self.resume_from is not None:
             return f"resuming from {self.resume_from}"
-        return f"initialized from {self.init_from}" if self.init_from else "from scratch"
+        if self.init_from is None:
+            return "from scratch"
+        what = "weights and optimizer states" if self.recipe.train.init_optimizer \
+            else "weights"
+        return f"initialized from {self.init_from} ({what})"
 
     def load_weights(self, model) -> None:
         """The resume point's weights, or `train.init_from`'s, into `model`."""
@@ -79,12 +99,18 @@ class Checkpointer:
         weights are in already), and keep the three for `save`. Returns the step to
         continue from: 0 for a new run."""
         self._parts = (model, engine, tables)
-        if self.resume_from is None:
-            return 0
-        state = load_train_state(self.resume_from)
-        check_row_order(state.get("table_row_order"), self.resume_from)
-        load_optimizers(model, engine.optimizer, tables, self.resume_from, state["step"])
-        return state["step"]
+        if self.resume_from is not None:
+            state = load_train_state(self.resume_from)
+            check_row_order(state.get("table_row_order"), self.resume_from)
+            load_optimizers(model, engine.optimizer, tables, self.resume_from,
+                            optimizer_steps(state))
+            return state["step"]
+        if self.init_from is not None and self.recipe.train.init_optimizer:
+            source = load_train_state(self.init_from)
+            check_row_order(source.get("table_row_order"), self.init_from)
+            load_optimizers(model, engine.optimizer, tables, self.init_from,
+                            optimizer_steps(source))
+        return 0
 
     def keep_before(self, step: int) -> str | None:
         """The divergence guard's pin (training/guard.py): the newest checkpoint before
@@ -115,9 +141,9 @@ class Checkpointer:
             checkpoint.save_model(model, folder)
             save_optimizers(model, engine.optimizer, tables, folder)
             if dist.get_rank() == 0:
-                save_train_state(folder, step, {"consumed_samples":
-                                                step * train.global_batch_size,
-                                                "table_row_order": ROW_ORDER})
+                save_train_state(folder, step, {
+                    "consumed_samples": step * train.global_batch_size,
+                    "table_row_order": ROW_ORDER, OPTIMIZER_STEPS: tables.step_count})
         if dist.get_rank() == 0:
             prune(self.save_dir, train.keep_last)
             print(f"step {step} | saved {self.save_dir / checkpoint.iter_name(step)}",
@@ -125,11 +151,22 @@ class Checkpointer:
         return True
 
 
+def _has_optimizer(ckpt: Path) -> bool:
+    return (ckpt / OPTIM).is_dir() and (ckpt / TRAIN_STATE).is_file()
+
+
 def _check_resumable(ckpt: Path) -> None:
-    if not (ckpt / OPTIM).is_dir() or not (ckpt / TRAIN_STATE).is_file():
+    if not _has_optimizer(ckpt):
         raise UserError(f"{ckpt}: holds model weights only (an import or an export source), "
                         "not a run to resume: start a new run from it with "
                         f"train.init_from={ckpt} and another train.save_dir")
+
+
+def _check_has_optimizer(ckpt: Path) -> None:
+    if not _has_optimizer(ckpt):
+        raise UserError(f"train.init_optimizer: {ckpt} holds model weights only (an import "
+                        "or an export source), no optimizer states to start from; set "
+                        "train.init_optimizer=false to start a fresh optimizer from its weights")
 
 
 def finished_step(recipe: Recipe) -> Optional[int]:

@@ -16,13 +16,16 @@ from megatron_stem.errors import UserError
 from megatron_stem.model.documents import document_boundaries
 
 
-def check_prefixes(prefixes: list[str]) -> None:
+def check_prefixes(data: DataConfig) -> None:
+    """Every token file the training data names exists (the error names the recipe field)."""
+    prefixes, _ = data.training_blend()
     if not prefixes:
-        raise UserError("data.prefixes: no training data given (a list of .bin/.idx prefixes)")
-    for prefix in prefixes:
+        raise UserError("data.prefixes: no training data given (a list of .bin/.idx prefixes, "
+                        "or data.blend: a data recipe)")
+    for i, prefix in enumerate(prefixes):
         missing = [ext for ext in (".bin", ".idx") if not Path(prefix + ext).is_file()]
         if missing:
-            raise UserError(f"data.prefixes: {prefix}{missing[0]} not found "
+            raise UserError(f"{data.field_of(i)}: {prefix}{missing[0]} not found "
                             "(give the path without .bin/.idx, as written by preprocess_data.py)")
 
 
@@ -40,12 +43,12 @@ def build_datasets(recipe: Recipe, tokenizer, train_samples: int, valid_samples:
                    cache_dir: str):
     """(train, valid) GPTDatasets of `seq_length`-token samples."""
     data = recipe.data
-    check_prefixes(data.prefixes)
+    check_prefixes(data)
     check_documents(data, tokenizer)
     config = GPTDatasetConfig(
         random_seed=recipe.train.seed,
         sequence_length=recipe.model.seq_length,
-        blend=(list(data.prefixes), list(data.weights) if data.weights else None),
+        blend=data.training_blend(),
         split=data.split,
         path_to_cache=cache_dir,
         tokenizer=tokenizer,
@@ -54,8 +57,11 @@ def build_datasets(recipe: Recipe, tokenizer, train_samples: int, valid_samples:
         eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=False,  # a dense [s, s] mask; documents go to attention instead
     )
+    # No test split is read; megatron takes a size of None as "all of it", which it allows
+    # only for an unweighted blend.
+    test_samples = None if config.blend[1] is None else 0
     train, valid, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [train_samples, valid_samples, None], lambda: True, config).build()
+        GPTDataset, [train_samples, valid_samples, test_samples], lambda: True, config).build()
     if train is None or (valid_samples and valid is None):
         raise UserError(f"data.split: {data.split!r} leaves no documents for training or "
                         "validation; give both a share")

@@ -33,6 +33,17 @@ from megatron_stem.training.tables.optimizer import TableOptimizer
 
 OPTIM = "optim"
 TRAIN_STATE = "train_state.pt"
+# In the train state: the steps the optimizers have applied (their Adam step count), across
+# the stages a run was initialized from with its optimizer states (`train.init_optimizer`);
+# a step the divergence guard skipped is not one. Checkpoints saved before it was written
+# hold `STEPS_BEFORE` (the source run's steps) instead.
+OPTIMIZER_STEPS = "optimizer_steps"
+STEPS_BEFORE = "optimizer_steps_before"
+
+
+def optimizer_steps(state: dict) -> int:
+    """The optimizers' step count a train state resumes them at."""
+    return state.get(OPTIMIZER_STEPS, state.get(STEPS_BEFORE, 0) + state["step"])
 STATE_KEYS = ("fp32_param", "exp_avg", "exp_avg_sq")
 # A resume holds the full fp32 states of this many bytes of dense parameters at a time
 # (18 GB for all of the 1B backbone at once, on every rank).
