@@ -7,6 +7,14 @@ active = the dense baseline - (STEM layers) x d x d_ff: one table row per token 
 FLOPs/token (forward) = 2 x active;  ROI = (accuracy / FLOPs) relative to the dense model.
 
 Counts use the true vocabulary (no TP padding), like the paper.
+
+MFU counts otherwise, as Megatron-LM, llm-foundry and torchtitan do: training FLOPs per
+token = 6 x the non-embedding parameters (the output layer counted, the input embedding,
+a lookup, not) + 12 x layers x hidden x sequence (attention's scores and values, forward
+and backward, without halving for the causal mask). A STEM table is a lookup too: its rows
+are not counted, and the up-projections it replaces are not there to count. `dense_1b`:
+6 x 1.2358B + 12 x 16 x 2048 x 2048 = 8.22 GFLOP/token (2 x active = 3.00 forward, the
+paper's figure, counts the embedding).
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ class Accounting:
     stored_params: int  # what the STEM model really holds: active + tables
     total_params: int  # paper's "total"
     active_params: int  # paper's "active"
-    flops_per_token: int  # forward, 2 x active
+    flops_per_token: int  # forward, 2 x active (the paper's count)
+    embedding_params: int  # the input embedding (a lookup, not in MFU's count)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -51,14 +60,17 @@ def account(model: ModelConfig) -> Accounting:
     active = dense - stem_layers * d * ff
     return Accounting(dense_params=dense, table_params=tables, stored_params=active + tables,
                       total_params=dense + tables, active_params=active,
-                      flops_per_token=2 * active)
+                      flops_per_token=2 * active, embedding_params=vocab * d)
 
 
 def training_flops_per_token(model: ModelConfig) -> float:
     """Forward + backward FLOPs per token, as MFU counts them (the trainer's log and the
-    step planner): 6 x active parameters + attention's 12 x layers x hidden x sequence."""
-    return 6 * account(model).active_params + \
-        12 * model.num_layers * model.hidden_size * model.seq_length
+    step planner, module docstring): 6 x the non-embedding parameters (the output layer
+    in, the input embedding and the STEM tables out) + 12 x layers x hidden x sequence.
+    With tied embeddings the one matrix is the output layer's: it is counted."""
+    acc = account(model)
+    matmul_params = acc.active_params - (acc.embedding_params if model.untie_embeddings else 0)
+    return 6 * matmul_params + 12 * model.num_layers * model.hidden_size * model.seq_length
 
 
 def mfu(tokens_per_s: float, model: ModelConfig, peak_flops: float, devices: int) -> float:
