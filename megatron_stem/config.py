@@ -382,6 +382,9 @@ class TrainConfig:
     init_from: Optional[str] = None
     # Peak dense bf16 FLOP/s of one accelerator, for MFU (H100/H200 SXM: 989e12).
     peak_flops: float = 989e12
+    # Deterministic kernels on a GPU, for debugging a difference between two runs (every
+    # kernel on a CPU is already): slower, and attention in SDPA's math kernel (docs/tables.md).
+    deterministic: bool = False
 
     def validate(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "steps", "log_interval",

@@ -67,6 +67,17 @@ def check_gpus_visible(environ=os.environ) -> None:
         "too old for this build (check nvidia-smi on the node)")
 
 
+def use_deterministic_kernels() -> None:
+    """`train.deterministic`: what makes two GPU runs give the same bits. cuBLAS's
+    workspace must be fixed before its first call; SDPA's flash and memory-efficient
+    backwards add with atomics, so attention takes the math kernel."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if torch.cuda.is_available():
+        for backend in ("flash", "mem_efficient", "cudnn"):
+            getattr(torch.backends.cuda, f"enable_{backend}_sdp")(False)
+
+
 def _mean_over_dp(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device())
     dist.all_reduce(t, group=ps.get_data_parallel_group())
@@ -142,6 +153,8 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     (for tools and tests: profiling, fault injection)."""
     train, opt = recipe.train, recipe.optimizer
     check_gpus_visible()
+    if train.deterministic:
+        use_deterministic_kernels()
     if recipe.parallel.pipeline_parallel > 1:
         raise ConfigError("parallel.pipeline_parallel: training runs under the DeepSpeed "
                           "engine, which cannot pipeline a megatron model; use tensor "

@@ -15,7 +15,7 @@ from conftest import torchrun
 from megatron_stem.config import ParallelConfig, Recipe, TableStorageConfig, from_dict
 from megatron_stem.errors import ConfigError
 from megatron_stem.model.row_cache import RowCache
-from megatron_stem.training import host_tables
+from megatron_stem.training import row_gather
 from megatron_stem.training.host_tables import HostTableStore, gather_rows
 from megatron_stem.training.row_grads import row_grads_of, take_same_rows
 from megatron_stem.training.tables.layout import TableLayout
@@ -62,7 +62,7 @@ def test_threaded_gather_equals_index_select():
     table = torch.randn(5000, 16)
     ids = torch.randint(0, 5000, (3000,))
     out = torch.empty(3000, 16)
-    with host_tables.ThreadPoolExecutor(3) as pool:
+    with row_gather.ThreadPoolExecutor(3) as pool:
         gather_rows(table, ids, out, pool)
     assert torch.equal(out, table[ids])
     half = torch.empty(3000, 16, dtype=torch.bfloat16)  # staged in the compute dtype
@@ -134,7 +134,7 @@ def test_rows_updated_at_step_k_are_seen_at_step_k_plus_1(update, cache_rows, mo
     opt = TableOptimizer([(f"t{i}", t.weight) for i, t in enumerate(tables)],
                          TableLayout("host", update=update, kernel="torch"), 1.0, 0.1,
                          (0.9, 0.95), host=store)
-    update_fast, gather_fast = opt.kernel.update, host_tables._gather_chunk
+    update_fast, gather_fast = opt.kernel.update, row_gather._gather_chunk
 
     def update_slowly(*args):  # a prefetch that did not wait for the step would read old rows
         time.sleep(0.005)
@@ -145,7 +145,7 @@ def test_rows_updated_at_step_k_are_seen_at_step_k_plus_1(update, cache_rows, mo
         gather_fast(*args)
 
     monkeypatch.setattr(opt.kernel, "update", update_slowly)
-    monkeypatch.setattr(host_tables, "_gather_chunk", gather_slowly)
+    monkeypatch.setattr(row_gather, "_gather_chunk", gather_slowly)
     before = previous = None
     for step in range(4):
         version = [t.weight.detach().clone() for t in tables]

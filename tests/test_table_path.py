@@ -2,6 +2,7 @@
 collective is handed, the overlapped update's streams, device and exit, and the layouts
 the code accepts (training/tables/)."""
 
+import json
 import subprocess
 import sys
 import threading
@@ -222,3 +223,14 @@ def test_table_states_in_another_row_order_are_refused(tmp_path):
     with pytest.raises(UserError, match=rf"^{tmp_path}: its table optimizer states are in "
                                         rf"row order {ROW_ORDER + 1}, this version reads"):
         check_row_order(ROW_ORDER + 1, tmp_path)
+
+
+@pytest.mark.integration
+def test_the_overlaps_group_is_made_on_the_main_thread_before_the_worker_uses_it(tmp_path):
+    from conftest import torchrun
+
+    out = tmp_path / "uses.json"
+    torchrun(2, "overlap_worker.py", out)
+    uses = json.loads(out.read_text())
+    assert uses["at_construction"] == ["MainThread"]  # its first collective, at construction
+    assert uses["all"][0] == "MainThread" and "stem-table-update" in uses["all"][1:]

@@ -3,6 +3,7 @@ one global norm over backbone and tables, a non-finite step skipped whole, bf16 
 accumulated and reduced in fp32."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -125,6 +126,16 @@ def test_bf16_accumulates_and_reduces_gradients_in_fp32():
     assert config["data_types"] == {"grad_accum_dtype": "fp32"}
     assert config["communication_data_type"] == "fp32"
     assert "data_types" not in deepspeed_config(_recipe("fp32"), dp_size=1)
+    # The backbone's reduction overlaps the (last) backward, in buckets of Megatron-LM's
+    # size, capped at the backbone's (DeepSpeed allocates two whole buckets).
+    from megatron_stem.accounting import account
+
+    zero = config["zero_optimization"]
+    assert zero["overlap_comm"] and zero["contiguous_gradients"]
+    assert zero["reduce_bucket_size"] == account(recipe.model).active_params
+    big = from_dict(Recipe, {"model": {**TINY, "vocab_size": 250_000, "hidden_size": 256,
+                                       "num_attention_heads": 4}})
+    assert deepspeed_config(big, 64)["zero_optimization"]["reduce_bucket_size"] == 64_000_000
     engine, tables, update, batches = _built(recipe)
     zero = engine.optimizer
     assert type(zero).__name__ == "DeepSpeedZeroOptimizer"  # not BF16_Optimizer
@@ -143,3 +154,16 @@ def test_bf16_accumulates_and_reduces_gradients_in_fp32():
     assert not outcome.applied and "backbone" in outcome.nonfinite
     after = _state(engine, tables)
     assert [k for k in before if not torch.equal(before[k], after[k])] == []
+
+
+def test_the_deterministic_switch_sets_what_gpu_runs_need(monkeypatch):
+    from megatron_stem.train import use_deterministic_kernels
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert from_dict(Recipe, {"model": TINY, "train": {"deterministic": True}}).train.deterministic
+    try:
+        use_deterministic_kernels()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -16,13 +16,15 @@ import torch
 from megatron.core import parallel_state as ps
 
 from megatron_stem import ops
+from megatron_stem.accounting import account
 from megatron_stem.config import Recipe
 from megatron_stem.errors import ConfigError
 from megatron_stem.model.table import StemTable
 from megatron_stem.parallel import device, local_world_size
 from megatron_stem.training.host_tables import HostTableStore
 from megatron_stem.training.tables.layout import TableLayout
-from megatron_stem.training.tables.optimizer import TableOptimizer, cpu_state_bytes
+from megatron_stem.training.tables.optimizer import TableOptimizer
+from megatron_stem.training.tables.partition import cpu_state_bytes
 from megatron_stem.training.update import Update
 
 
@@ -65,7 +67,16 @@ def deepspeed_config(recipe: Recipe, dp_size: int) -> dict:
         raise ConfigError(
             f"train.global_batch_size: {train.global_batch_size} is not a multiple of "
             f"micro_batch_size x data-parallel size = {per_step}")
-    zero = {"stage": opt.zero_stage}
+    # The backbone's gradient reduction overlapped with the backward: DeepSpeed reduces
+    # each bucket from the gradient hooks as it fills (ZeRO-1: during the last
+    # micro-batch's backward; ZeRO-2: every micro-batch's), instead of all of it after the
+    # backward. Buckets as Megatron-LM sizes them (max(40M, 1M x DP) elements): small
+    # enough to start early, large enough for the network's bandwidth; no larger than the
+    # backbone (DeepSpeed allocates two whole buckets).
+    bucket = min(max(40_000_000, 1_000_000 * dp_size),
+                 account(recipe.model).active_params // recipe.parallel.tensor_parallel)
+    zero = {"stage": opt.zero_stage, "overlap_comm": True, "contiguous_gradients": True,
+            "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
     if opt.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     config = {

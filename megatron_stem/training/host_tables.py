@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,52 +54,8 @@ import torch
 
 from megatron_stem.model.host_copy import HostCopy
 from megatron_stem.model.row_cache import RowCache
+from megatron_stem.training.row_gather import StagingBuffer, gather_rows
 from megatron_stem.training.row_grads import RowGradSum, take_same_rows
-
-# Below this many rows per thread a gather is not worth splitting.
-_MIN_ROWS_PER_THREAD = 256
-
-
-def gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
-                pool: Optional[ThreadPoolExecutor] = None) -> None:
-    """out[i] = table[ids[i]] (cast to out's dtype), split over the threads of `pool`."""
-    threads = pool._max_workers if pool is not None else 1
-    n = ids.numel()
-    per = max(_MIN_ROWS_PER_THREAD, -(-n // threads))
-    if n <= per:
-        _gather_chunk(table, ids, out)
-        return
-    futures = [pool.submit(_gather_chunk, table, ids[a:a + per], out[a:a + per])
-               for a in range(0, n, per)]
-    for f in futures:
-        f.result()
-
-
-def _gather_chunk(table, ids, out) -> None:
-    if out.dtype == table.dtype:
-        torch.index_select(table, 0, ids, out=out)
-    else:
-        out.copy_(table.index_select(0, ids))
-
-
-class _StagingBuffer:
-    """A reusable host buffer rows are gathered into before their copy to the device;
-    pinned when the device is a GPU, so the copy is an asynchronous DMA."""
-
-    def __init__(self, pin: bool):
-        self.pin = pin
-        self.data = torch.empty(0)
-        self.copied: Optional[torch.cuda.Event] = None  # the last copy out of it
-
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        if self.copied is not None:
-            self.copied.synchronize()  # its previous contents have left
-        numel = math.prod(shape)
-        if self.data.numel() < numel or self.data.dtype != dtype:
-            # Headroom: micro-batches differ in unique ids, and pinning is slow.
-            self.data = torch.empty(int(numel * 1.25) + 1024, dtype=dtype, pin_memory=self.pin)
-        return self.data[:numel].view(shape)
-
 
 def _key(tokens: torch.Tensor) -> tuple[torch.UntypedStorage, int]:
     """What finds a micro-batch's staged rows: its ids' storage and their offset in it."""
@@ -185,7 +140,7 @@ class HostTableStore:
         self.worker = ThreadPoolExecutor(1, "stem-stage", initializer=init)
         self.pool = ThreadPoolExecutor(gather_threads, "stem-gather") \
             if gather_threads > 1 else None
-        self.buffers = [_StagingBuffer(self.cuda) for _ in range(lookahead + 1)]
+        self.buffers = [StagingBuffer(self.cuda) for _ in range(lookahead + 1)]
         self._next_buffer = 0
         self.cache = RowCache(self.vocab, cache_rows, [self.width] * len(self.hosts), dtype,
                               [self.device] * len(self.hosts), cache_decay) \
@@ -316,7 +271,7 @@ class HostTableStore:
             entry.future = self._submit(self._stage_one, entry.ids, entry.requires_grad)
             self._submitted += 1
 
-    def _buffer(self) -> _StagingBuffer:
+    def _buffer(self) -> StagingBuffer:
         buf = self.buffers[self._next_buffer]
         self._next_buffer = (self._next_buffer + 1) % len(self.buffers)
         return buf

@@ -72,7 +72,8 @@ class Metrics:
         scalars = {"train/loss": loss, "train/lr": lr,
                    "grad_norm/total": norms.total, "grad_norm/backbone": norms.backbone,
                    "grad_norm/tables": norms.tables,
-                   **{f"tables/{k}": v for k, v in tables.stats().items()},
+                   # an overlapped table update still running: its last finished one's
+                   **{f"tables/{k}": v for k, v in tables.stats(wait=False).items()},
                    "throughput/tokens_per_s": tok_s, "memory/gb": memory}
         extra = ""  # MFU and host-table figures, where there are any
         if torch.cuda.is_available():

@@ -80,6 +80,14 @@ def row_grads_of(param: torch.nn.Parameter) -> RowGradSum:
     return acc
 
 
+def table_row_grads(param: torch.nn.Parameter) -> RowGradSum:
+    """A device-placed table's row gradients of the step, with a sparse gradient set on
+    the parameter directly (not by a backward: benchmarks) counted as one more backward."""
+    row_grads = row_grads_of(param)
+    row_grads.hook(param)
+    return row_grads
+
+
 def take_same_rows(sums: list[RowGradSum]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """`take` of every table of a step: their rows, which must be the same (every table is
     looked up with the same token ids), and each table's summed gradients."""

@@ -160,6 +160,41 @@ class Devices:
         return mark_host(torch.empty(shape, dtype=dtype, pin_memory=pin))
 
 
+class HostStaging:
+    """Reused pinned host buffers that accelerator tensors are copied into without waiting
+    (`copy`), and the wait for those copies (`wait`) just before the host reads them: the
+    gradients' way to CPU Adam. On a CPU run the tensors are handed over as they are."""
+
+    HEADROOM = 1.25  # steps differ in their rows; pinning is slow, so buffers only grow
+
+    def __init__(self, devices: Devices):
+        self.devices = devices
+        self._buffers: dict[object, torch.Tensor] = {}
+        self._copied = None  # a CUDA event after the last copies
+
+    def copy(self, key, tensor: torch.Tensor, counters=None, counter: str = "") -> torch.Tensor:
+        """`tensor` (on the accelerator) in host memory: buffer `key`'s, once `wait` has
+        returned."""
+        if not self.devices.separate:
+            return self.devices.to_host(tensor)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < tensor.numel() or buffer.dtype != tensor.dtype:
+            buffer = self._buffers[key] = self.devices.host_empty(
+                (int(tensor.numel() * self.HEADROOM) + 1024,), tensor.dtype, pin=True)
+        out = buffer[:tensor.numel()].view(tensor.shape)
+        out.copy_(tensor, non_blocking=True)
+        _count(counters, counter, tensor)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return out
+
+    def wait(self) -> None:
+        """Until every `copy` so far has landed (from any thread)."""
+        copied, self._copied = self._copied, None
+        if copied is not None:
+            copied.synchronize()
+
+
 def _count(counters, counter: str, tensor: torch.Tensor) -> None:
     if counters is not None and counter:
         setattr(counters, counter, getattr(counters, counter) + tensor.numel() *

@@ -4,8 +4,7 @@ Why outside: DeepSpeed's ZeRO cannot take sparse gradients, and a dense gradient
 tables (21 GB fp32 at 1B) per step would cost more than the whole backbone. So the model's
 table parameters produce row-sparse gradients (`StemTable.sparse_grad`): only the rows of
 the micro-batches' token ids, summed per row the same way for every placement
-(training/row_grads.py). Each step (`train.py` calls these in this order, see
-training/step.py):
+(training/row_grads.py). Each step (in this order: training/update.py):
 
 1. `sync_grads`: each table's row gradients averaged over data parallel onto the ranks
    that update the rows (the partition's way, partition.py), and each row's sum of
@@ -31,26 +30,17 @@ from typing import Optional
 import torch
 
 from megatron_stem import parallel
-from megatron_stem.training.row_grads import RowGradSum, row_grads_of, take_same_rows
+from megatron_stem.training.row_grads import row_grads_of, table_row_grads, take_same_rows
 from megatron_stem.training.tables.adam import AdamKernel
-from megatron_stem.training.tables.comm import Comm, Devices, tracked
+from megatron_stem.training.tables.checkpoint import checkpoint_states, load_states
+from megatron_stem.training.tables.comm import Comm, Devices, HostStaging, tracked
 from megatron_stem.training.tables.layout import TableLayout
 from megatron_stem.training.tables.overlap import Job, Overlap
 from megatron_stem.training.tables.partition import (Partition, Replicated, RowSharded,
                                                      SharedHostCopy, TableState)
-from megatron_stem.training.tables.shards import TrafficCounters
+from megatron_stem.training.tables.shards import TrafficCounters, positions_in
 
 DENSE_CHUNK_BYTES = 64 << 20  # `dense` updates this many bytes of fp32 rows at a time
-
-
-def cpu_state_bytes(tables: list[tuple[str, torch.nn.Parameter]], shards: int = 1) -> int:
-    """CPU memory a device-placement TableOptimizer allocates for `tables` on each rank:
-    two fp32 Adam moments, and an fp32 master unless the table is its own (an fp32 table
-    in CPU memory), of 1/`shards` of the rows (`partition: sharded` over that many
-    data-parallel ranks)."""
-    def own(p):
-        return p.device.type == "cpu" and p.dtype == torch.float32
-    return sum(p.numel() * 4 * (2 if own(p) else 3) for _, p in tables) // shards
 
 
 def _partition(layout: TableLayout, vocab: int, devices: Devices, dp_group,
@@ -85,6 +75,7 @@ class TableOptimizer:
             raise ValueError("tables.placement: host needs the HostTableStore (and only it)")
         self.layout, self.lr_mult, self.weight_decay = layout, lr_mult, weight_decay
         self.devices = devices or Devices(parallel.device())
+        self._staging = HostStaging(self.devices)
         self.host = host
         self.kernel = AdamKernel(layout.adam_kernel, betas, eps)
         self.partition = _partition(layout, tables[0][1].shape[0], self.devices, dp_group,
@@ -100,6 +91,7 @@ class TableOptimizer:
             for t in self.tables:
                 row_grads_of(t.param)
         self.counters = TrafficCounters()  # what the last step moved (see `stats`)
+        self._finished = self.counters.as_dict()
         self.touched_rows = 0  # distinct rows in the last sync_grads (all DP ranks)
         self.rank_rows = 0  # ... of this rank's micro-batches
         self._norm_ids = self._squares = None  # after sync_grads: for `grad_norm_sq`
@@ -109,17 +101,22 @@ class TableOptimizer:
     def state_on_host(self) -> bool:
         return not self.layout.state_on_accelerator
 
-    def stats(self) -> dict[str, float]:
+    def stats(self, wait: bool = True) -> dict[str, float]:
         """This rank's figures for the last step's table path (logged as `tables/*`):
         what it moved (`TrafficCounters`), the distinct rows over data parallel, and the
-        memory of the optimizer state it holds (its share of a shared copy's)."""
-        self.finish()
+        memory of the optimizer state it holds (its share of a shared copy's). `wait`:
+        for an overlapped update still running, wait for it; else (the trainer's log, which
+        must not stall the step it overlaps) the last finished update's counters."""
+        if wait:
+            self.finish()
+        running = self.overlap is not None and self.overlap.running_jobs
+        counters = self._finished if running else self.counters.as_dict()
         state = sum((t.master.numel() * 4 if t.separate else 0) +
                     (t.exp_avg.numel() + t.exp_avg_sq.numel()) * 4 for t in self.tables)
-        if isinstance(self.partition, SharedHostCopy):
-            state //= self.partition.copy.size
+        if self.partition is not None:
+            state //= self.partition.state_sharers
         where = "cpu" if self.state_on_host else "accelerator"
-        return {**self.counters.as_dict(), "unique_rows": self.touched_rows,
+        return {**counters, "unique_rows": self.touched_rows,
                 "rank_rows": self.rank_rows, f"{where}_state_bytes": state}
 
     def shard(self) -> tuple[int, int, int, int] | None:
@@ -161,6 +158,7 @@ class TableOptimizer:
         (partition.py), take each row's sum of squares for the norm, then hand the
         gradients to where the optimizer state is."""
         self.finish()
+        self._finished = self.counters.as_dict()  # the last step's, complete
         self.counters.reset()
         self.touched_rows = self.rank_rows = 0
         if not self.tables:
@@ -171,17 +169,21 @@ class TableOptimizer:
         # read only when the step is skipped, to say whose they were (training/update.py).
         self._local_finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
         local, grads, self.touched_rows = self.partition.sync(ids, grads, self.counters)
+        # The norm's squares where the gradients are, before any copy (no pass on the CPU)
         self._squares = torch.stack([g.double().square().sum(1) for g in grads], 1)
         self._norm_ids = self.partition.ids_of(local)
-        rows = self._in_state(local)
+        rows = self._in_state("rows", local)
         for t, g in zip(self.tables, grads):
-            t.rows, t.grad = rows, self._in_state(g.contiguous(), "grad_d2h_bytes")
+            t.rows, t.grad = rows, self._in_state(t.name, g, "grad_d2h_bytes")
 
-    def _in_state(self, tensor: torch.Tensor, counter: str = "") -> torch.Tensor:
-        """`tensor` (on the accelerator) where the optimizer state is."""
+    def _in_state(self, key, tensor: torch.Tensor, counter: str = "") -> torch.Tensor:
+        """`tensor` (on the accelerator) where the optimizer state is: CPU state receives it
+        in a reused pinned buffer, copied while the backbone steps (`HostStaging`; read
+        after `_staging.wait()`), contiguous whatever `tensor`'s strides (a table's columns
+        of all tables' gradients): the layout the row op reads."""
         if self.state_on_host:
-            return self.devices.to_host(tensor, self.counters, counter)
-        return tensor
+            return self._staging.copy(key, tensor, self.counters, counter)
+        return tensor.contiguous()
 
     def _local_row_grads(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """This rank's touched rows (sorted) and, per table, their summed gradients over
@@ -192,7 +194,7 @@ class TableOptimizer:
             by_param = {id(m.weight): g for m, g in zip(self.host.modules, grads)}
             grads = [by_param[id(t.param)] for t in self.tables]
             return ids.to(grads[0].device), grads
-        return take_same_rows([_row_grads(t.param) for t in self.tables])
+        return take_same_rows([table_row_grads(t.param) for t in self.tables])
 
     @tracked
     def grad_norm_sq(self) -> float:
@@ -226,6 +228,9 @@ class TableOptimizer:
         self.step_count += 1
         if not self.tables:
             return
+        # The gradients' copies to the host, queued at `sync_grads` before the backbone's
+        # step, have landed by now (their rows are read here, on this thread).
+        self._staging.wait()
         lr = lr * self.lr_mult
         if self.overlap is not None and next_ids is not None:
             self._launch_overlapped(lr, clip_coef, next_ids)
@@ -266,11 +271,11 @@ class TableOptimizer:
         dtype when the holders need them sent (a separate table of a sharded layout)."""
         rows = self.partition.dense_rows(self._state_device(t))
         values = self._values(t, rows.numel()) \
-            if isinstance(self.partition, RowSharded) and t.separate else None
+            if self.partition.sends_rows and t.separate else None
         chunk = max(1, DENSE_CHUNK_BYTES // (4 * t.master.shape[1]))
         for start in range(0, rows.numel(), chunk):
             part = rows[start:start + chunk]
-            self._update_rows(t, part, _grad_rows(part, t.rows), t.grad, clip, lr,
+            self._update_rows(t, part, positions_in(part, t.rows), t.grad, clip, lr,
                               None if values is None else values[start:start + chunk])
         return values
 
@@ -312,7 +317,7 @@ class TableOptimizer:
         ids = torch.unique(torch.cat([i.flatten() for i in next_ids]))
         needed = self.partition.shards.needed_by_any(self.devices.to_accelerator(ids),
                                                      self.counters)
-        needed = self._in_state(needed)
+        needed = self.devices.to_host(needed) if self.state_on_host else needed
         first, rest = [], []
         for t in self.tables:
             rows = self.partition.dense_rows(self._state_device(t)) \
@@ -331,7 +336,7 @@ class TableOptimizer:
         rows (`t.rows`) from `t.grad` x `clip`, zero for the others; their new values in
         rows [start, ...) of the table's buffer (none for a table that is its own
         master)."""
-        grad_rows, grad = _grad_rows(rows, t.rows), t.grad
+        grad_rows, grad = positions_in(rows, t.rows), t.grad
 
         def run(comm: Comm) -> None:
             values = self._values(t, rows.numel(), start) if t.separate else None
@@ -341,50 +346,20 @@ class TableOptimizer:
 
     # -- checkpoint ---------------------------------------------------------------------
 
+    # -- checkpoint ---------------------------------------------------------------------
+
     @tracked
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """{table name: {"fp32_param", "exp_avg", "exp_avg_sq"}}: this rank's rows of the
-        states (its shard's under `sharded`, see `shard()`) in the checkpoint's row order
-        (shards.py `ROW_ORDER`): the live tensors where they are in that order already,
-        copies where not (a shard's rows of a table that is its own master, and whole
-        tables, kept by table row)."""
+        states in the checkpoint's row order (checkpoint.py)."""
         self.finish()
-        return {t.name: {key: live if rows is None else live[rows]
-                         for key, (live, rows) in self.partition.checkpoint_rows(t).items()}
-                for t in self.tables}
+        return checkpoint_states(self.partition, self.tables)
 
     @tracked
     def load_state_tensors(self, states: dict[str, dict[str, torch.Tensor]], step: int) -> None:
-        """Take the optimizer state of a checkpoint (`states` shaped like
-        `state_tensors()`; loading into those tensors themselves copies nothing) and bring
-        every holder's table in line with the masters."""
+        """Take the optimizer state of a checkpoint (shaped like `state_tensors()`) and
+        bring every holder's table in line with the masters (checkpoint.py)."""
         self.step_count = step
         if self.host is not None:
             self.host.invalidate()
-        for t in self.tables:
-            if self.partition.writes_on_load:
-                for key, (live, rows) in self.partition.checkpoint_rows(t).items():
-                    loaded = states[t.name][key]
-                    if rows is not None:
-                        live.index_copy_(0, rows, loaded.to(live.device))
-                    elif loaded.data_ptr() != live.data_ptr():
-                        live.copy_(loaded)
-            self.partition.publish(t, None, t.master if t.separate else None, self.counters)
-        if self.tables:
-            self.partition.barrier()
-
-
-def _grad_rows(rows: torch.Tensor, touched: torch.Tensor) -> torch.Tensor:
-    """For each of `rows` (sorted), its index in `touched` (sorted), -1 if absent."""
-    if not touched.numel():
-        return torch.full_like(rows, -1)
-    at = torch.searchsorted(touched, rows).clamp(max=touched.numel() - 1)
-    return torch.where(touched[at] == rows, at, -1)
-
-
-def _row_grads(param: torch.nn.Parameter) -> RowGradSum:
-    """A device-placed table's row gradients of the step, with a sparse gradient set on
-    the parameter directly (not by a backward: benchmarks) counted as one more backward."""
-    row_grads = row_grads_of(param)
-    row_grads.hook(param)
-    return row_grads
+        load_states(self.partition, self.tables, states, self.counters)

@@ -203,6 +203,11 @@ class Overlap:
                 self.running = None
                 self._done.set()
 
+    @property
+    def running_jobs(self) -> bool:
+        """Whether launched jobs have not all finished."""
+        return not self._done.is_set()
+
     def _run(self, job: Job) -> None:
         self.running = job.name
         job.run(self.comm)

@@ -27,7 +27,7 @@ of this rank's optimizer state; `ids`: table rows):
                                      the table) to every holder of the table
   changed_ids(local, c)          -> host tables: the rows the step changed on this copy
   checkpoint_rows(t)             -> {state: (live tensor, its rows in checkpoint order)}
-  writes_on_load, shard, barrier()
+  writes_on_load, sends_rows, state_sharers, shard, barrier()
 """
 
 from __future__ import annotations
@@ -62,6 +62,16 @@ class TableState:
         return local if self.master_rows is None else self.master_rows[local]
 
 
+def cpu_state_bytes(tables: list[tuple[str, torch.nn.Parameter]], shards: int = 1) -> int:
+    """CPU memory a device-placement TableOptimizer allocates for `tables` on each rank:
+    two fp32 Adam moments, and an fp32 master unless the table is its own (an fp32 table
+    in CPU memory), of 1/`shards` of the rows (`partition: sharded` over that many
+    data-parallel ranks)."""
+    def own(p):
+        return p.device.type == "cpu" and p.dtype == torch.float32
+    return sum(p.numel() * 4 * (2 if own(p) else 3) for _, p in tables) // shards
+
+
 class Partition:
     """What the three partitions share (module docstring for the interface)."""
 
@@ -69,6 +79,8 @@ class Partition:
     # shards, index) of the state rows held here; None: whole tables
     norm_comm: Optional[Comm] = None
     writes_on_load = True
+    sends_rows = False  # whether `publish` sends a separate table's updated rows (values)
+    state_sharers = 1  # ranks whose one state this is (a shared host copy's)
 
     def __init__(self, vocab: int, devices: Devices, state_on_host: bool, dp: Comm):
         self.vocab, self.devices, self.state_on_host, self.dp = vocab, devices, \
@@ -160,6 +172,7 @@ class SharedHostCopy(Partition):
         self.owners = RowShards(vocab, copy_comm, "a host copy's ranks")
         self.norm_comm = copy_comm if copy.size > 1 else None
         self.writes_on_load = copy.index == 0  # one writer per shared copy
+        self.state_sharers = copy.size
         self._step_ids = None
 
     def make_state(self, name: str, param: torch.nn.Parameter) -> TableState:
@@ -217,6 +230,8 @@ class RowSharded(Partition):
     """`holders`: the ranks whose tables need this rank's updated rows: every
     data-parallel rank's device table, or (`copy` given: host tables) the other copies'
     peers of this rank (its own copy has them: the master is a slice of it)."""
+
+    sends_rows = True
 
     def __init__(self, vocab, devices, state_on_host: bool, dp: Comm, holders: Comm,
                  copy=None):

@@ -86,6 +86,15 @@ def interleaved_order(vocab: int) -> torch.Tensor:
     return torch.arange(vocab, dtype=torch.long) * stride % vocab
 
 
+def positions_in(rows: torch.Tensor, touched: torch.Tensor) -> torch.Tensor:
+    """For each of `rows` (sorted), its index in `touched` (sorted), -1 if absent: where a
+    row's gradient is among the touched rows' (a `dense` update's untouched rows: none)."""
+    if not touched.numel():
+        return torch.full_like(rows, -1)
+    at = torch.searchsorted(touched, rows).clamp(max=touched.numel() - 1)
+    return torch.where(touched[at] == rows, at, -1)
+
+
 def check_row_order(saved: int | None, where) -> None:
     """Refuse table states saved in another row order than `ROW_ORDER` (None: a
     checkpoint from before the order was recorded, which is this order)."""
