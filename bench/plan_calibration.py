@@ -59,15 +59,17 @@ def _preset(name: str) -> tuple[dict, int, str]:
 
 
 def _recipe(variant: str, dp: int, microbatches: int, preset: str, kernel: str = "deepspeed"):
-    """`variant`: "dense" (the baseline) or placement/update/partition[/overlap]."""
+    """`variant`: "dense" (the baseline) or placement/update/partition[/overlap[/device]]
+    (`device`: where the tables' optimizer state is, `cpu` or `accelerator`)."""
     from megatron_stem.config import (ModelConfig, OptimizerConfig, Recipe, TableOptimizerConfig,
                                       TableStorageConfig, TrainConfig, from_dict)
 
     shape, micro, dtype = _preset(preset)
-    fields = dict(zip(("placement", "update", "partition", "overlap"), variant.split("/"))) \
-        if variant != "dense" else {}
+    fields = dict(zip(("placement", "update", "partition", "overlap", "device"),
+                      variant.split("/"))) if variant != "dense" else {}
     update = fields.pop("update", "dense")
-    optimizer = OptimizerConfig(tables=TableOptimizerConfig(update=update, kernel=kernel))
+    optimizer = OptimizerConfig(tables=TableOptimizerConfig(
+        update=update, kernel=kernel, device=fields.pop("device", "cpu")))
     stem = "none" if variant == "dense" else "1/2"
     return Recipe(model=ModelConfig(**shape, stem_layers=stem), optimizer=optimizer,
                   tables=from_dict(TableStorageConfig, fields),
@@ -208,6 +210,47 @@ def timed_step(update, mbs, next_mbs=None) -> dict:
     return {"wall": t.wall, "cpu": t.cpu}
 
 
+def boundary_segments(update, steps: list) -> list[float]:
+    """Wall seconds from the end of each step's last backward to the next step's first
+    table lookup returning, steps run back to back as train.train_step runs them (an
+    overlapped update is not waited for: the lookup waits for its own rows)."""
+    from megatron_stem.model.table import StemTable
+    from megatron_stem.train import train_step
+
+    first = next(m for m in update.engine.module.modules() if isinstance(m, StemTable))
+    marks = {}
+
+    def now() -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def looked_up(module, inputs, output):
+        if "backward_end" in marks and "lookup" not in marks:
+            marks["lookup"] = now()
+
+    apply = update.apply
+
+    def timed_apply(*args, **kwargs):
+        marks.clear()
+        marks["backward_end"] = now()
+        return apply(*args, **kwargs)
+
+    hook = first.register_forward_hook(looked_up)
+    update.apply = timed_apply
+    out = []
+    try:
+        for mbs, next_mbs in zip(steps, steps[1:]):
+            if "lookup" in marks:
+                out.append(marks["lookup"] - marks["backward_end"])
+            train_step(update, mbs, 1e-3, [mb["tokens"] for mb in next_mbs])
+    finally:
+        hook.remove()
+        del update.apply
+        update.tables.finish()
+    return out
+
+
 def worker(args) -> None:
     import torch.distributed as dist
 
@@ -227,7 +270,9 @@ def worker(args) -> None:
         torch.manual_seed(0)
         engine, tables, update = build_engine(build_model(
             recipe.model, recipe.parallel, tables=recipe.tables), recipe)
-        times, rows = [], []
+        times, rows, segments = [], [], []
+        if args.segment and variant.count("/") >= 3 and variant.split("/")[3] == "next_step":
+            segments = boundary_segments(update, steps)
         for i, (mbs, next_mbs) in enumerate(zip(steps, steps[1:])):
             dist.barrier()
             t = timed_step(update, mbs, next_mbs)
@@ -252,8 +297,9 @@ def worker(args) -> None:
         mean_rows = {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
         gathered = [None] * dp
         counted = {k: times[-1][k] for k in ("comm_bytes", "adam_elements")}
-        dist.all_gather_object(gathered, (best, mean_rows, counted))
+        dist.all_gather_object(gathered, (best, mean_rows, counted, segments))
         results[variant] = {
+            "segment": max(min(g[3]) for g in gathered) if segments else None,
             "parts": {clock: {k: max(g[0][clock][k] for g in gathered) for k in best[clock]}
                       for clock in best},
             "counted": gathered[0][2],
@@ -325,6 +371,8 @@ def predict(variant: str, dp: int, args, hw, rows: dict | None):
         parts["step"] = p.step_s
     parts.update({"comm_bytes": 0, "adam_elements": 0} |
                  {k.split("/")[1]: v for k, v in p.counters.items()})
+    if p.option is not None and p.option.overlap == "next_step":
+        parts["segment"] = step.boundary_segment_seconds(w, p)
     return parts, w.rows
 
 
@@ -333,7 +381,7 @@ def predict(variant: str, dp: int, args, hw, rows: dict | None):
 SHARD_ROWS_1B, WIDTH_1B, TABLES_1B = 128256 // 32, 8192, 5
 
 
-def node_model(processes: int, threads: int) -> None:
+def node_model(processes: int, threads: int, tiny: bool = False) -> None:
     """The tables' row Adam of `processes` ranks of `threads` threads sharing this host's
     DRAM, measured, against the model of `hardware.node_cpu_seconds` built from this
     host's rates with every core busy (one process per core, one thread each: a core's
@@ -342,7 +390,8 @@ def node_model(processes: int, threads: int) -> None:
     from megatron_stem.planning import calibrate, hardware
 
     cores = len(os.sched_getaffinity(0))
-    call = f"row_adam_rate('deepspeed', {SHARD_ROWS_1B}, {WIDTH_1B})"
+    rows, width = (256, 1024) if tiny else (SHARD_ROWS_1B, WIDTH_1B)
+    call = f"row_adam_rate('deepspeed', {rows}, {width})"
     per_core = min(calibrate.corun(call, cores))
     dram = sum(calibrate.corun("dram_copy_rate()", cores))
     ranks = min(calibrate.corun(call, processes, threads))
@@ -350,7 +399,7 @@ def node_model(processes: int, threads: int) -> None:
     h200 = hardware.PUBLISHED["h200"]
     nbytes = h200.row_adam_bytes_per_element
     model = min(per_core * threads, dram / processes / nbytes)
-    print(f"\nnode model of the tables' row Adam ({SHARD_ROWS_1B:,} x {WIDTH_1B:,} rows per "
+    print(f"\nnode model of the tables' row Adam ({rows:,} x {width:,} rows per "
           f"call, bf16 out, {nbytes} B of DRAM traffic per element):")
     print(f"  this host, {cores} cores busy: {per_core / 1e9:.2f} G elem/s per core, DRAM copy "
           f"{dram / 1e9:.1f} GB/s (read + written)")
@@ -388,6 +437,9 @@ def main() -> None:
                          "a shared machine inflate wall time) or wall time (default on GPUs)")
     ap.add_argument("--hardware", default="cpu", help="the planner's profile to predict with")
     ap.add_argument("--profile", help="a profile JSON to predict with (bench/gpu/run_all.sh)")
+    ap.add_argument("--segment", action="store_true",
+                    help="also time the step boundary of `next_step` variants (wall time, "
+                         "from the last backward to the next step's first table lookup)")
     ap.add_argument("--node-model", metavar="PROCESSES,THREADS",
                     help="only the tables' row Adam of PROCESSES ranks of THREADS threads "
                          "sharing this host's DRAM, against the node model")
@@ -399,7 +451,7 @@ def main() -> None:
         worker(args)
         return
     if args.node_model:
-        node_model(*map(int, args.node_model.split(",")))
+        node_model(*map(int, args.node_model.split(",")), tiny=args.preset == "tiny")
         return
     if args.clock is None:
         args.clock = "wall" if torch.cuda.is_available() else "cpu"
@@ -425,7 +477,7 @@ def main() -> None:
                             "--out", str(out), "--variants", args.variants, "--steps",
                             str(args.steps), "--microbatches", str(args.microbatches),
                             "--preset", args.preset, "--kernel", args.kernel,
-                            "--clock", args.clock],
+                            "--clock", args.clock] + (["--segment"] if args.segment else []),
                            check=True, env=env, stdout=subprocess.DEVNULL)
             measured = json.loads(out.read_text())
             for variant, m in measured.items():
@@ -466,6 +518,11 @@ def main() -> None:
                     print(f"  {part:<16}{got:>10.3f}{a:>11.3f}{ra:>7.2f}{b:>9.3f}{rb:>7.2f}"
                           f"{note}")
                 summary.append((f"DP{dp} {variant}", cells))
+                if m.get("segment") is not None:
+                    print(f"  step boundary, last backward to the next step's first lookup "
+                          f"(wall time): measured {m['segment']:.4f} s, predicted "
+                          f"{with_rows['segment']:.4f} s "
+                          f"({with_rows['segment'] / m['segment']:.2f} x)")
     print("\n" + markdown_table(summary))
     print(f"\nworst |predicted/measured - 1| over the major parts (measured rows): "
           f"{worst:.0%}; load average "

@@ -33,6 +33,7 @@ class Accounting:
     active_params: int  # paper's "active"
     flops_per_token: int  # forward, 2 x active (the paper's count)
     embedding_params: int  # the input embedding (a lookup, not in MFU's count)
+    training_flops_per_token: int  # forward + backward as MFU counts them (module docstring)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -40,7 +41,8 @@ class Accounting:
     def summary(self) -> str:
         return (f"total {_count(self.total_params)}, active {_count(self.active_params)}, "
                 f"tables {_count(self.table_params)}, "
-                f"{_count(self.flops_per_token)} FLOPs/token")
+                f"{_count(self.flops_per_token)} FLOPs/token (paper), "
+                f"{_count(self.training_flops_per_token)} training FLOPs/token (MFU)")
 
 
 def _count(n: int) -> str:
@@ -58,19 +60,21 @@ def account(model: ModelConfig) -> Accounting:
     stem_layers = len(model.stem_layer_indices)
     tables = stem_layers * vocab * ff
     active = dense - stem_layers * d * ff
+    # MFU's count: 6 x the non-embedding parameters (the output layer in, the input
+    # embedding and the STEM tables out) + 12 x layers x hidden x sequence; with tied
+    # embeddings the one matrix is the output layer's: it is counted
+    matmul = active - (vocab * d if model.untie_embeddings else 0)
+    training = 6 * matmul + 12 * model.num_layers * d * model.seq_length
     return Accounting(dense_params=dense, table_params=tables, stored_params=active + tables,
                       total_params=dense + tables, active_params=active,
-                      flops_per_token=2 * active, embedding_params=vocab * d)
+                      flops_per_token=2 * active, embedding_params=vocab * d,
+                      training_flops_per_token=training)
 
 
 def training_flops_per_token(model: ModelConfig) -> float:
     """Forward + backward FLOPs per token, as MFU counts them (the trainer's log and the
-    step planner, module docstring): 6 x the non-embedding parameters (the output layer
-    in, the input embedding and the STEM tables out) + 12 x layers x hidden x sequence.
-    With tied embeddings the one matrix is the output layer's: it is counted."""
-    acc = account(model)
-    matmul_params = acc.active_params - (acc.embedding_params if model.untie_embeddings else 0)
-    return 6 * matmul_params + 12 * model.num_layers * model.hidden_size * model.seq_length
+    step planner, module docstring)."""
+    return account(model).training_flops_per_token
 
 
 def mfu(tokens_per_s: float, model: ModelConfig, peak_flops: float, devices: int) -> float:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from megatron_stem.config import ModelConfig, Recipe, TrainConfig
+from megatron_stem.config import ModelConfig, Recipe, TrainConfig, load_recipe
 from megatron_stem.planning import backbone, compute, hardware, passes, report, rows, step, traffic
 from megatron_stem.planning.traffic import Layout, RowCounts, TableShape
 
@@ -103,12 +103,11 @@ def test_flow_shop_pipelines_and_respects_blocked_windows():
     assert step._flow_shop([(0.0, [a])], 1, {"net": (0.5, 2.0)}) == [3.0]
 
 
-def _small_workload(hw_name="h200", log_interval=10**6, **model):
+def _small_workload(hw_name="h200", **model):
     model = ModelConfig(**{**dict(hidden_size=2048, num_layers=16, num_attention_heads=16,
                                   ffn_hidden_size=4096, vocab_size=16000, seq_length=2048,
                                   stem_layers="1/3"), **model})
-    recipe = Recipe(model=model, train=TrainConfig(micro_batch_size=4, global_batch_size=256,
-                                                   log_interval=log_interval))
+    recipe = Recipe(model=model, train=TrainConfig(micro_batch_size=4, global_batch_size=256))
     cluster = step.Cluster(1, 8)
     return step.workload(recipe, cluster), cluster, hardware.load(hw_name)
 
@@ -118,9 +117,7 @@ def test_ranking_marks_an_exact_option_when_overlap_hides_the_path():
     plans = step.rank(w, cluster, hw)
     by = {str(p.option): p for p in plans}
     hidden = by["device/dense/sharded/next_step/accelerator"]
-    # the update all hidden (no logged step waits for it in a million)
-    assert hidden.exposed_tables_s == pytest.approx(hidden.seconds("sync"), rel=1e-4)
-    assert hidden.seconds("sync") > 0
+    assert hidden.exposed_tables_s == hidden.seconds("sync") > 0  # the update all hidden
     assert by["device/dense/sharded/delayed/accelerator"].step_s <= hidden.step_s
     best = step.best(plans, "any")
     assert best.option.exact and best.option.implemented and best.step_s == hidden.step_s
@@ -132,21 +129,6 @@ def test_ranking_marks_an_exact_option_when_overlap_hides_the_path():
     today = by["device/dense/replicated/none/cpu"]
     assert today.step_s == pytest.approx(today.seconds("compute") + today.exposed_reduction_s +
                                          today.seconds("backbone") + today.table_seconds)
-
-
-def test_a_logged_step_waits_for_the_overlapped_update():
-    """`tables.stats()` finishes an overlapped update: every `log_interval`-th step waits for
-    all of it, the others only for what the next step's lookups and its end wait for."""
-    option = step.Option.parse("device/dense/sharded/next_step/cpu")
-    exposed = {}
-    for interval in (1, 10, 10**6):
-        w, cluster, hw = _small_workload(log_interval=interval)
-        p = step.plan(w, option, cluster, hw)
-        exposed[interval] = p.exposed_tables_s - p.seconds("sync")
-    adam = next(c.seconds for c in p.components if c.name.startswith("CPU Adam"))
-    assert exposed[1] >= adam > exposed[10**6]  # all of it, the CPU's part at least
-    assert exposed[10] == pytest.approx(exposed[10**6] + (exposed[1] - exposed[10**6]) / 10,
-                                        rel=1e-4)
 
 
 def test_removed_up_projections_save_what_their_gemms_cost():
@@ -189,23 +171,24 @@ def test_boundary_passes_by_hand():
 
 def test_the_backbone_reduction_overlaps_the_last_backward():
     """DeepSpeed's buckets as its hook launches them, and what the step waits for: the
-    input embedding's gradient is last, so its reduction is never hidden; the chosen
-    bucket size waits no longer than DeepSpeed's default (5e8 elements) or than a serial
-    reduction."""
+    input embedding's gradient is last, so its reduction is never hidden; the engine's
+    bucket size (Megatron-LM's) waits within 2% of the best size for the 1B pair, less than
+    DeepSpeed's default (5e8 elements), and less than the reduction takes."""
     grads = [backbone.Grad(3, 0.1), backbone.Grad(4, 0.2), backbone.Grad(10, 0.5),
              backbone.Grad(2, 0.9)]
     assert backbone.buckets(grads, 8) == [(7, 0.5), (10, 0.9), (2, 1.0)]
-    w, cluster, hw = _small_workload()
-    back = 0.1
-    size = backbone.backbone_bucket_elements(w, cluster, hw, compute_s=3 * back * w.microbatches / 2)
-    assert size in backbone.BUCKET_CHOICES
-    busy, waited = backbone.reduction_seconds(w, hw, 8, back, size)
-    _, default = backbone.reduction_seconds(w, hw, 8, back, 500_000_000)
-    embedding = backbone._bucket_seconds(w.model.vocab_size * 2048, w, hw, 8)
-    assert embedding <= waited <= default and waited < busy
-    cfg = backbone.zero_reduction_config(Recipe(model=w.model, train=TrainConfig(
-        micro_batch_size=4, global_batch_size=256)), cluster)
-    assert cfg["overlap_comm"] and cfg["reduce_bucket_size"] in backbone.BUCKET_CHOICES
+    cluster, hw = step.Cluster(4, 8), hardware.load("h200")
+    for name in ("dense_1b", "stem_1b"):
+        recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml")
+        w = step.workload(recipe, cluster)
+        compute_s = w.flops / hw.compute_rate(8)
+        back = backbone.backward_seconds(w, compute_s)
+        size = backbone.zero_reduction_config(recipe, w.dp)["reduce_bucket_size"]
+        busy, waited = backbone.reduction_seconds(w, hw, 8, back, size)
+        _, least = backbone.best_bucket_elements(w, cluster, hw, compute_s)
+        _, default = backbone.reduction_seconds(w, hw, 8, back, 500_000_000)
+        embedding = backbone._bucket_seconds(w.model.vocab_size * 2048, w, hw, 8)
+        assert embedding < least <= waited <= 1.02 * least < default and waited < busy / 3
 
 
 def _cli(*args, home=None):

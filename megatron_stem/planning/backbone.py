@@ -3,8 +3,8 @@
 What DeepSpeed runs, as training/engine.py configures it (bf16: fp32 gradient accumulation
 and fp32 communication, `communication_data_type: fp32`; fp32 runs communicate fp32 too):
 
-* the gradient reduction, with `overlap_comm` (`zero_reduction_config`, which the engine
-  merges into its config): every parameter's gradient is copied into a bucket of
+* the gradient reduction, with `overlap_comm` (`zero_reduction_config`: the engine's
+  entries for it, buckets as Megatron-LM sizes them): every parameter's gradient is copied into a bucket of
   `reduce_bucket_size` elements by a hook as backward finishes it; a bucket is reduced
   when the next gradient does not fit (one larger than a bucket goes alone), on a side
   stream, while backward goes on: at ZeRO-1 in the last micro-batch's backward (the others
@@ -26,9 +26,8 @@ and fp32 communication, `communication_data_type: fp32`; fp32 runs communicate f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
-
-from megatron_stem.planning.hardware import PUBLISHED, Hardware
+from megatron_stem.accounting import account
+from megatron_stem.planning.hardware import Hardware
 from megatron_stem.planning.workload import Cluster, Component, Workload
 
 COMM_BYTES = 4  # gradients are reduced in fp32 (training/engine.py `deepspeed_config`)
@@ -131,33 +130,37 @@ def backward_seconds(w: Workload, compute_s: float) -> float:
     return 2 * compute_s / w.microbatches / 3
 
 
-def backbone_bucket_elements(w: Workload, cluster: Cluster, hw: Optional[Hardware] = None,
-                             compute_s: Optional[float] = None) -> int:
-    """The `reduce_bucket_size` with the least reduction the step waits for (ties: the
-    larger, fewer calls), among sizes whose two buffers fit `BUCKET_MEMORY_SHARE` of the
-    device memory. `compute_s`: the step's forward/backward (default: the dense shape at
-    the profile's MFU)."""
-    hw = hw or PUBLISHED["h200"]
+def reduce_bucket_elements(model, tp: int, dp: int) -> int:
+    """DeepSpeed's `reduce_bucket_size` (and `allgather_bucket_size`) for the backbone, as
+    Megatron-LM sizes its buckets: max(40M, 1M x DP) elements, small enough to start
+    reducing early in the backward and large enough for the network's bandwidth, no larger
+    than the backbone (DeepSpeed allocates two whole buckets). Within 2% of the least
+    waiting among sizes of 1M-512M for the 1B pair on 4 x 8 H200 (`best_bucket_elements`)."""
+    return int(min(max(40_000_000, 1_000_000 * dp), account(model).active_params // tp))
+
+
+def zero_reduction_config(recipe, dp: int) -> dict:
+    """The `zero_optimization` entries of the backbone's gradient reduction, for
+    training/engine.py's DeepSpeed config: reduced while backward runs, in buckets of
+    `reduce_bucket_elements`."""
+    tp = recipe.parallel.tensor_parallel * recipe.parallel.pipeline_parallel
+    bucket = reduce_bucket_elements(recipe.model, tp, dp)
+    return {"overlap_comm": True, "contiguous_gradients": True,
+            "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+
+
+def best_bucket_elements(w: Workload, cluster: Cluster, hw: Hardware,
+                         compute_s: float) -> tuple[int, float]:
+    """(the bucket size of `BUCKET_CHOICES` the step waits least for, that wait), the
+    sizes whose two buffers fit `BUCKET_MEMORY_SHARE` of the device memory: a check of
+    `reduce_bucket_elements`."""
     rpn = min(cluster.gpus_per_node, w.dp * w.tp)
-    if compute_s is None:
-        compute_s = w.flops / hw.compute_rate(rpn)
     backward = backward_seconds(w, compute_s)
     limit = hw.memory_bytes * BUCKET_MEMORY_SHARE if hw.memory_bytes else float("inf")
     fitting = [b for b in BUCKET_CHOICES if 2 * b * COMM_BYTES <= limit] or [BUCKET_CHOICES[0]]
     waits = {b: reduction_seconds(w, hw, rpn, backward, b)[1] for b in fitting}
-    least = min(waits.values())
-    return max(b for b, s in waits.items() if s <= least * 1.01 + 1e-6)
-
-
-def zero_reduction_config(recipe, cluster: Cluster, hw: Optional[Hardware] = None) -> dict:
-    """The `zero_optimization` entries of the backbone's gradient reduction, for
-    training/engine.py's DeepSpeed config: reduced while backward runs, in buckets this
-    planner sizes for `recipe` on `cluster` (default profile: published H200)."""
-    from megatron_stem.planning.workload import workload
-
-    w = workload(recipe, cluster)
-    return {"overlap_comm": True, "contiguous_gradients": True,
-            "reduce_bucket_size": backbone_bucket_elements(w, cluster, hw)}
+    size = min(waits, key=waits.get)
+    return size, waits[size]
 
 
 def backbone_components(w: Workload, cluster: Cluster, hw: Hardware,
@@ -167,7 +170,7 @@ def backbone_components(w: Workload, cluster: Cluster, hw: Hardware,
     stream) and the reduction stream's tail."""
     p, dp = w.backbone_params, w.dp
     rpn = min(cluster.gpus_per_node, dp * w.tp)
-    size = backbone_bucket_elements(w, cluster, hw, compute_s)
+    size = reduce_bucket_elements(w.model, w.tp, dp)
     busy, exposed = reduction_seconds(w, hw, rpn, backward_seconds(w, compute_s), size)
     reductions = 1 if w.zero_stage == 1 else w.microbatches
     grads = p * COMM_BYTES * reductions
@@ -193,6 +196,8 @@ def backbone_components(w: Workload, cluster: Cluster, hw: Hardware,
                          hw.alloc_copy_seconds(fresh, rpn) +
                          hw.device_pass_seconds(in_place, rpn), "backbone"))
     received = p * w.dtype_bytes * (dp - 1) / dp
+    calls = -(-p // size)  # in buckets of the same size (`allgather_bucket_size`)
     out.append(Component("backbone param all-gather", "net", received, "B",
-                         hw.allgather_seconds(received, dp, rpn), "backbone"))
+                         hw.allgather_seconds(received, dp, rpn, calls) +
+                         calls * hw.collective_latency, "backbone"))
     return out, exposed + out[1].seconds

@@ -21,9 +21,8 @@ what:
   k+1, all tables ready at its start; only what outlasts step k+1 is exposed.
 * `next_step` (the code's, `tables.overlap`): the update runs from the next step's start,
   first the rows that step reads (table by table in forward order: a table's first lookup
-  waits for its rows), then the rest, which must be done by the next gradient sync. A
-  logged step (`train.log_interval`) waits for all of it: the trainer's `tables.stats()`
-  finishes the update before it reads the step's counters.
+  waits for its rows), then the rest, which must be done by the next gradient sync (the
+  trainer's log does not wait for it: `tables.stats(wait=False)`).
 
 Host placement stages each micro-batch's rows one micro-batch ahead: the staging of the
 first micro-batch is exposed, the others only by what exceeds a micro-batch's compute.
@@ -56,9 +55,6 @@ PARTITIONS = ("replicated", "sharded")
 OVERLAPS = ("none", "next_step", "backward", "delayed")
 OPTIMIZERS = ("cpu", "accelerator")
 CHUNKS_PER_TABLE = 4  # `backward`/`delayed`: a table's rows go through the path in chunks
-# `TableOptimizer.stats()` (training/tables/optimizer.py) finishes an overlapped update
-# before it reads the counters; the trainer calls it on every logged step.
-STATS_WAIT_FOR_UPDATE = True
 # The torch kernel on the accelerator (`optimizer.tables.device: accelerator`), per element
 # of a row subset: master and moments gathered (read + write 12 + 12), the gradient rows
 # placed into zeros (4 + 8) and clipped (8), AdamW in torch ops (mul_, lerp_, mul_ +
@@ -234,6 +230,8 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
     memory("norm: row sums of squares (fp64)", passes.norm_bytes(s, lay, c), 0, sync,
            hw.norm_bw)
     memory("tables' grads made contiguous", passes.split_bytes(s, lay, c), 0, sync)
+    # Sharded CPU state: into reused pinned buffers, without waiting (comm.HostStaging), but
+    # on the compute stream: DeepSpeed's step queues behind the copies
     pinned = sharded
     kind = "pinned" if pinned else "pageable"
     b = traffic.grad_d2h_bytes(s, lay, c)
@@ -352,23 +350,15 @@ def exposed_table_seconds(w: Workload, option: Option, tables: list[Component],
     if option.overlap == "none" or not tables:
         return sum(c.seconds for c in tables)
     n = w.shape.tables
+    backbone = [c for c in backbone if c.phase == "backbone"]
     bb_net = sum(c.seconds for c in backbone if c.resource == "net")
     bb_s = sum(c.seconds for c in backbone)
     forward_mb = compute_s / w.microbatches / 3
     if option.overlap == "next_step":
-        # from the next step's start: each table's rows that step reads, in forward order,
-        # then the rest; a table's first lookup waits for its rows, the next gradient sync
-        # (after that step's backward) for everything
-        layers = sorted(w.stem_layers)
-        first = _scaled(tables, first_share / n)
-        rest = _scaled(tables, (1 - first_share) / n)
-        ends = _flow_shop([(0.0, first)] * n + [(0.0, rest)] * n, CHUNKS_PER_TABLE, {})
+        ends = _next_step_ends(w, tables, first_share)
         wait = max(0.0, *(end - forward_mb * _layer_share_below(w, layer)
-                          for end, layer in zip(ends[:n], layers)))
-        exposed = wait + max(0.0, max(ends) - wait - compute_s)
-        if STATS_WAIT_FOR_UPDATE:  # a logged step waits for the whole update
-            exposed += (max(ends) - exposed) / w.log_interval
-        return exposed
+                          for end, layer in zip(ends[:n], sorted(w.stem_layers))))
+        return wait + max(0.0, max(ends) - wait - compute_s)
     per_table = _scaled(tables, 1 / n)
     blocked = {"net": (compute_s, compute_s + bb_net)}
     if option.overlap == "delayed":
@@ -379,6 +369,31 @@ def exposed_table_seconds(w: Workload, option: Option, tables: list[Component],
     window = forward_mb * _layer_share_below(w, min(w.stem_layers)) \
         if option.placement == "device" else 0.0
     return max(0.0, max(_flow_shop([(0.0, per_table)] * n, CHUNKS_PER_TABLE, {})) - window)
+
+
+def _next_step_ends(w: Workload, tables: list[Component], first_share: float) -> list[float]:
+    """`next_step`: when each job is done from the next step's start: each table's rows
+    that step reads, in forward order, then the rest; a table's first lookup waits for its
+    rows, the next gradient sync (after that step's backward) for everything."""
+    n = w.shape.tables
+    first = _scaled(tables, first_share / n)
+    rest = _scaled(tables, (1 - first_share) / n)
+    return _flow_shop([(0.0, first)] * n + [(0.0, rest)] * n, CHUNKS_PER_TABLE, {})
+
+
+def boundary_segment_seconds(w: Workload, p: "Plan") -> float:
+    """From the end of the last backward to the next step's first table lookup, as the
+    code runs a table option: the backbone reduction's tail, the gradient sync, the
+    backbone's step, then (`next_step`) the next forward up to the first STEM layer or the
+    first table's rows, whichever is later; otherwise the whole update, then that forward
+    (bench/gpu/run_all.sh measures it)."""
+    compute_s = p.seconds("compute")
+    forward = compute_s / w.microbatches / 3 * _layer_share_below(w, min(w.stem_layers))
+    update = [c for c in p.components if c.phase == "tables"]
+    before = p.exposed_reduction_s + p.seconds("sync") + p.seconds("backbone")
+    if p.option.overlap == "next_step":
+        return before + max(forward, _next_step_ends(w, update, first_share(w, p.option))[0])
+    return before + sum(c.seconds for c in update) + forward
 
 
 def exposed_sync_seconds(w: Workload, option: Option, sync: list[Component],
@@ -395,10 +410,10 @@ def exposed_sync_seconds(w: Workload, option: Option, sync: list[Component],
     return max(0.0, max(_flow_shop(jobs, CHUNKS_PER_TABLE, {})) - compute_s)
 
 
-def first_share(w: Workload, lay: Layout) -> float:
+def first_share(w: Workload, option: Option | Layout) -> float:
     """`next_step`: the share of the update the next step reads (its rows over DP among
     the rows that change: all rows for `dense`, about all changed rows for `lazy`)."""
-    if lay.update == "lazy":
+    if option.update == "lazy":
         return 1.0
     return min(1.0, w.rows.union_rows / w.shape.rows)
 

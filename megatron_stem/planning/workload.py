@@ -50,7 +50,6 @@ class Workload:
     kernel: str  # the tables' CPU Adam: "deepspeed" | "torch"
     shape: TableShape
     rows: RowCounts
-    log_interval: int = 1  # steps between the trainer's log lines (`train.log_interval`)
     # The busiest owner's received rows over the mean in the grads-to-owners all-to-all:
     # 1 with the shards' interleaved rows (training/tables/shards.py); contiguous ranges of
     # a frequency-ordered BPE vocabulary would give the first owner ~3x (docs/tables.md).
@@ -108,8 +107,7 @@ def workload(recipe: Recipe, cluster: Cluster, exponent: float = row_model.ZIPF_
         flops_per_token=flops / tp, head_share=min(head / flops, 0.9),
         backbone_params=account(m).active_params // tp, activation_bytes=activations,
         dtype_bytes=2 if t.dtype == "bf16" else 4, zero_stage=recipe.optimizer.zero_stage,
-        kernel=recipe.optimizer.tables.kernel, shape=shape, rows=counts,
-        log_interval=t.log_interval)
+        kernel=recipe.optimizer.tables.kernel, shape=shape, rows=counts)
 
 
 def expected_rows(vocab: int, dp: int, microbatches: int, per_microbatch: int,
