@@ -175,7 +175,7 @@ def backbone_components(w: Workload, cluster: Cluster, hw: Hardware,
     reductions = 1 if w.zero_stage == 1 else w.microbatches
     grads = p * COMM_BYTES * reductions
     out = [Component(f"backbone grad reduction (ZeRO-{w.zero_stage}, fp32, buckets of "
-                     f"{size / 2**20:.0f}M)", "net", grads, "B", busy, "reduction")]
+                     f"{size / 1e6:.0f}M)", "net", grads, "B", busy, "reduction")]
     b = p * COMM_BYTES * reductions
     out.append(Component("backbone grads into buckets (memory)", "mem", b, "B",
                          hw.alloc_copy_seconds(b, rpn), "reduction"))

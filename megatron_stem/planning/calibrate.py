@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_stem.accounting import training_flops_per_token
 from megatron_stem.config import ModelConfig
 from megatron_stem.planning.hardware import (CACHE_DIR, PROFILE_VERSION, PUBLISHED, Hardware,
                                              save)
@@ -112,22 +113,33 @@ def compute_rate(model_kwargs: dict | None = None, micro_batch: int = MICRO_BATC
         destroy_distributed()
 
 
-def compute_rates(model_kwargs: dict, micro_batch: int, dtype: str) -> tuple[float, float]:
-    """(FLOP/s of the dense model, bytes/s of the STEM tables' rows): the STEM model's
-    time beyond its FLOPs at the dense rate, charged to the four passes over its looked-up
-    rows that the planner counts (`table rows in fwd/bwd`)."""
-    from megatron_stem.accounting import training_flops_per_token
-
-    tokens = micro_batch * model_kwargs["seq_length"]
-    dense = ModelConfig(**model_kwargs)
-    stem = ModelConfig(**model_kwargs, stem_layers="1/2")
+def compute_seconds(model_kwargs: dict, micro_batch: int, dtype: str,
+                    progress=None) -> tuple[float, float]:
+    """(dense, STEM) forward/backward seconds of one micro-batch of the model as a rank runs
+    it (STEM at 1/2 of the layers)."""
     call = f"compute_rate({model_kwargs!r}, {micro_batch}, {dtype!r}"
-    flops = training_flops_per_token(dense) * tokens / _rank_seconds(call + ")")
-    stem_s = _rank_seconds(call + ", stem_layers='1/2')")
-    extra = stem_s - training_flops_per_token(stem) * tokens / flops
-    rows = 4 * tokens * stem.ffn_hidden_size * len(stem.stem_layer_indices) * \
-        (2 if dtype == "bf16" else 4)
-    return flops, rows / max(extra, 1e-6)
+    _say(progress, "2/4 forward/backward of the dense calibration model")
+    dense_s = _rank_seconds(call + ")")
+    _say(progress, "3/4 ... and of its STEM version (the tables' rows)")
+    return dense_s, _rank_seconds(call + ", stem_layers='1/2')")
+
+
+def table_rows_bw(model_kwargs: dict, micro_batch: int, dtype: str, dense_s: float,
+                  stem_s: float, hw: Hardware) -> float:
+    """Bytes/s of the STEM tables' rows in forward/backward: the STEM model's time beyond
+    the dense shape's less its fc1 saving (compute.py, on `hw`'s GEMM curve), over the
+    passes over looked-up rows the planner counts; 0 (the memory's rate) when that is
+    within 5% of the step, under this machine's noise."""
+    from megatron_stem.config import Recipe, TrainConfig
+    from megatron_stem.planning.compute import TABLE_ROW_PASSES, fc1_saving
+    from megatron_stem.planning.workload import Cluster, workload
+
+    recipe = Recipe(model=ModelConfig(**model_kwargs, stem_layers="1/2"), train=TrainConfig(
+        micro_batch_size=micro_batch, global_batch_size=micro_batch, dtype=dtype))
+    w = workload(recipe, Cluster(1, 1))
+    extra = stem_s - (dense_s - fc1_saving(w, hw, 1)[1])
+    rows = TABLE_ROW_PASSES * w.tokens * w.shape.width * w.shape.tables * w.dtype_bytes
+    return rows / extra if extra > 0.05 * stem_s else 0.0
 
 
 def _rank_seconds(call: str) -> float:
@@ -227,9 +239,12 @@ def measure_cpu(progress=stderr_progress) -> Hardware:
     _say(progress, "1/4 one rank's CPU rates: row Adam, copies, row gradients, norm")
     ranks = corun("rank_rates()", cores)
     rate = {k: min(r[k] for r in ranks) for k in ranks[0]}  # the slowest rank's
-    _say(progress, "2/4 forward/backward of the dense calibration model")
-    _say(progress, "3/4 ... and of its STEM version (the tables' rows)")
-    flops, table_bw = compute_rates(CALIBRATION_MODEL, MICRO_BATCH, "fp32")
+    dense_s, stem_s = compute_seconds(CALIBRATION_MODEL, MICRO_BATCH, "fp32", progress)
+    flops = training_flops_per_token(ModelConfig(**CALIBRATION_MODEL)) * MICRO_BATCH * \
+        CALIBRATION_MODEL["seq_length"] / dense_s
+    flat = Hardware(**{**PUBLISHED["h200"].__dict__, "peak_flops": flops, "mfu": 1.0,
+                       "gemm_curve": (), "device_is_host": True, "cores": cores})
+    table_bw = table_rows_bw(CALIBRATION_MODEL, MICRO_BATCH, "fp32", dense_s, stem_s, flat)
     _say(progress, "4/4 gloo's all-reduce, all-to-all and all-gather")
     gloo = gloo_rates(rate["alloc_copy_bw"], cores)
     _say(progress, "done")
@@ -296,10 +311,13 @@ def measure_gpu(name: str, tiny: bool = False, kernel: str = "deepspeed") -> Har
     finally:
         torch.set_num_threads(threads)
     model, mbs = (TINY_MODEL, 2) if tiny else (GPU_MODEL_1B, 4)
-    flops, table_bw = compute_rates(model, mbs, "bf16")
+    dense_s, stem_s = compute_seconds(model, mbs, "bf16")
+    flops = training_flops_per_token(ModelConfig(**model)) * mbs * model["seq_length"] / dense_s
     fit = dict(mfu=min(1.0, flops / base.peak_flops), cpu_adam_rate=ds, torch_adam_rate=pt,
-               cores=cores, dram_bw=memcpy, gather_bw=gather, table_rows_bw=table_bw,
+               cores=cores, dram_bw=memcpy, gather_bw=gather,
                gemm_curve=gemm_curve(model, mbs, base.peak_flops))
+    fit["table_rows_bw"] = table_rows_bw(model, mbs, "bf16", dense_s, stem_s,
+                                         dataclasses.replace(base, **fit))
     if torch.cuda.is_available():
         links = copy_link_rates(1 << (24 if tiny else 30))
         fit.update(pinned_copy_bw=links["pinned"], pageable_copy_bw=links["pageable"],

@@ -22,8 +22,9 @@ module counts what the same path does in place, per rank per step, all tables:
   on the accelerator, before the grads leave it.
 * `split_bytes`: sharded grads are one [rows, tables x width] tensor; each table's slice is
   made contiguous before it is handed to the state (`g.contiguous()`).
-* `norm_gather_*`: `grad_norm_sq` (in DeepSpeed's step): the owners' ids and squares
-  all-gathered (`all_gather_varying`: counts, then two tensors), their sum read (`float`).
+* `norm_gather_bytes`: `grad_norm_sq` (in DeepSpeed's step): the owners' ids and squares
+  all-gathered (`all_gather_varying`: counts, then two tensors; the counts read), their
+  sum read (`float`).
 * `launch_*`: `next_step`'s split of the update (`_launch_overlapped`): the next step's ids'
   `unique`, the owners' `needed_by_any` (counts `.tolist()`, positions, `unique`), the
   needed rows copied to the state's memory.
@@ -110,13 +111,6 @@ def norm_gather_bytes(shape: TableShape, layout: Layout, counts: RowCounts) -> f
         return 0.0
     longest = counts.longest_owned()
     return (holders - 1) * (ID_BYTES + longest * (ID_BYTES + 8 * shape.tables))
-
-
-def norm_gather_calls(shape: TableShape, layout: Layout, counts: RowCounts) -> tuple[int, int]:
-    """(collectives, syncs) of `grad_norm_sq`."""
-    if norm_gather_bytes(shape, layout, counts):
-        return 3, 2
-    return 0, 1
 
 
 def launch_syncs(layout: Layout) -> int:

@@ -227,8 +227,8 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
     add("grads to owners (all-to-all)", "net", b, "B",
         hw.alltoall_seconds(b, w.dp, cluster.gpus_per_node) * w.owner_skew, 1, sync)
     memory("finite check of own row grads", passes.finite_bytes(s, c, w.dtype_bytes))
-    memory("norm: row sums of squares (fp64)", passes.norm_bytes(s, lay, c), 0, sync,
-           hw.norm_bw)
+    memory("norm: row sums of squares (fp64)", passes.norm_bytes(s, lay, c), 1, sync,
+           hw.norm_bw)  # (their sum read in `grad_norm_sq`: a sync)
     memory("tables' grads made contiguous", passes.split_bytes(s, lay, c), 0, sync)
     # Sharded CPU state: into reused pinned buffers, without waiting (comm.HostStaging), but
     # on the compute stream: DeepSpeed's step queues behind the copies
@@ -236,10 +236,9 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
     kind = "pinned" if pinned else "pageable"
     b = traffic.grad_d2h_bytes(s, lay, c)
     add(f"D2H grads ({kind})", "d2h", b, "B", b / hw.copy_bw(pinned, rpn), 0, sync)
-    calls, syncs = passes.norm_gather_calls(s, lay, c)
     b = passes.norm_gather_bytes(s, lay, c)
-    add("norm: owners' squares all-gathered", "net", b or 1, "B",
-        hw.allgather_seconds(b, lay.dp, gpn, 2) if b else 0.0, calls, sync, syncs)
+    add("norm: owners' squares all-gathered", "net", b, "B",
+        hw.allgather_seconds(b, lay.dp, gpn, 2), 3, sync, 1)  # counts, ids, squares
     add("launch: the next step's rows first", "gpu", passes.launch_syncs(lay), "sync",
         0.0, 2 if lay.dp > 1 else 0, sync, passes.launch_syncs(lay))
     elems = traffic.adam_elements(s, lay, c)
