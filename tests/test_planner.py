@@ -151,6 +151,25 @@ def test_removed_up_projections_save_what_their_gemms_cost():
     assert stem.components[1].seconds == pytest.approx(-seconds)
 
 
+def test_the_step_boundary_segment():
+    """From the last backward to the next step's first lookup: the reduction's tail, the
+    sync, DeepSpeed's step, then the forward to the first STEM layer or the first table's
+    rows, whichever is later (`next_step`); the whole update first otherwise."""
+    w, cluster, hw = _small_workload()
+    for text in ("device/dense/sharded/next_step/cpu", "device/dense/sharded/none/cpu"):
+        p = step.plan(w, step.Option.parse(text), cluster, hw)
+        before = p.exposed_reduction_s + p.seconds("sync") + p.seconds("backbone")
+        forward = p.seconds("compute") / w.microbatches / 3 * (1 - w.head_share) * \
+            min(w.stem_layers) / w.num_layers
+        segment = step.boundary_segment_seconds(w, p)
+        if text.endswith("none/cpu"):
+            assert segment == pytest.approx(before + p.seconds("tables") + forward)
+        else:  # the first table's rows first: less than its whole update, more than none
+            first = step.first_share(w, p.option) * p.seconds("tables") / w.shape.tables
+            assert before + forward <= segment <= before + max(forward, first) + 1e-9
+            assert segment > before
+
+
 def test_boundary_passes_by_hand():
     """RowGradSum.take, the owners' sums and the norm, counted op by op (passes.py)."""
     lay = layout("sharded", grad_bytes=2)

@@ -194,7 +194,7 @@ def backbone_components(w: Workload, cluster: Cluster, hw: Hardware,
     fresh, in_place = ZERO_STEP_BUFFER_PASSES * elems * 4, ZERO_STEP_PASSES * elems * 4
     out.append(Component("backbone ZeRO bookkeeping (memory)", "mem", fresh + in_place, "B",
                          hw.alloc_copy_seconds(fresh, rpn) +
-                         hw.device_pass_seconds(in_place, rpn), "backbone"))
+                         hw.device_pass_seconds(2 * in_place, rpn), "backbone"))
     received = p * w.dtype_bytes * (dp - 1) / dp
     calls = -(-p // size)  # in buckets of the same size (`allgather_bucket_size`)
     out.append(Component("backbone param all-gather", "net", received, "B",
