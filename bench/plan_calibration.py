@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -46,25 +47,29 @@ CORPUS = ROOT / "data_corpus" / "gcide.jsonl.gz"
 
 
 def _preset(name: str) -> tuple[dict, int, str]:
-    """(model shape, micro-batch size, dtype): `cpu` the calibration shape; `gpu-1b` the 1B
-    layer shapes cut to 4 layers (one H200); `tiny` a dry run of the GPU script on a CPU."""
+    """(model shape, micro-batch size, dtype): `cpu` the calibration shape; `boundary` one
+    whose step is mostly the tables' step boundary; `gpu-1b` the 1B layer shapes cut to 4
+    layers (one H200); `tiny` a dry run of the GPU script on a CPU."""
     from megatron_stem.planning import calibrate
 
     return {"cpu": (calibrate.CALIBRATION_MODEL, calibrate.MICRO_BATCH, "fp32"),
+            "boundary": (calibrate.BOUNDARY_MODEL, calibrate.BOUNDARY_MICRO_BATCH, "fp32"),
             "gpu-1b": (calibrate.GPU_MODEL_1B, 4, "bf16"),
             "tiny": (calibrate.TINY_MODEL, 2, "fp32")}[name]
 
 
 def _recipe(variant: str, dp: int, microbatches: int, preset: str, kernel: str = "deepspeed"):
-    """`variant`: "dense" (the baseline) or placement/update/partition[/overlap]."""
+    """`variant`: "dense" (the baseline) or placement/update/partition[/overlap[/device]]
+    (`device`: where the tables' optimizer state is, `cpu` or `accelerator`)."""
     from megatron_stem.config import (ModelConfig, OptimizerConfig, Recipe, TableOptimizerConfig,
                                       TableStorageConfig, TrainConfig, from_dict)
 
     shape, micro, dtype = _preset(preset)
-    fields = dict(zip(("placement", "update", "partition", "overlap"), variant.split("/"))) \
-        if variant != "dense" else {}
+    fields = dict(zip(("placement", "update", "partition", "overlap", "device"),
+                      variant.split("/"))) if variant != "dense" else {}
     update = fields.pop("update", "dense")
-    optimizer = OptimizerConfig(tables=TableOptimizerConfig(update=update, kernel=kernel))
+    optimizer = OptimizerConfig(tables=TableOptimizerConfig(
+        update=update, kernel=kernel, device=fields.pop("device", "cpu")))
     stem = "none" if variant == "dense" else "1/2"
     return Recipe(model=ModelConfig(**shape, stem_layers=stem), optimizer=optimizer,
                   tables=from_dict(TableStorageConfig, fields),
@@ -98,6 +103,7 @@ class PartTimer:
         self.wall, self.cpu = {}, {}
         self._mark = self._now()
         self._inner = [0.0, 0.0]  # time since the last lap already charged by `charged`
+        self._open = threading.local()  # per thread: the charged calls it is inside
 
     @staticmethod
     def _now() -> tuple[float, float]:
@@ -121,17 +127,23 @@ class PartTimer:
     def charged(self, obj, method: str, part: str):
         """While in the block, the calls of `obj.method` are charged to `part` (and not to
         the lap they run in): how the trainer's parts are split as the planner splits
-        them."""
+        them. A charged call inside another is charged to its own part only."""
         fn = getattr(obj, method)
+        stack = self._open
 
         def timed(*args, **kwargs):
             start = self._now()
+            if not hasattr(stack, "calls"):
+                stack.calls = []
+            stack.calls.append([0.0, 0.0])  # what charged calls inside this one take
             try:
                 return fn(*args, **kwargs)
             finally:
                 spent = [a - b for a, b in zip(self._now(), start)]
-                self._add(part, spent)
-                self._inner = [a + b for a, b in zip(self._inner, spent)]
+                inner = stack.calls.pop()
+                self._add(part, [a - b for a, b in zip(spent, inner)])
+                outer = stack.calls[-1] if stack.calls else self._inner
+                outer[:] = [a + b for a, b in zip(outer, spent)]
 
         own = vars(obj).get(method)  # an attribute of the instance, or its class's method
         setattr(obj, method, timed)
@@ -147,19 +159,30 @@ class PartTimer:
 def timed_step(update, mbs, next_mbs=None) -> dict:
     """train.train_step (given the next step's ids, as the trainer does for `overlap:
     next_step`), each part timed in both clocks: forward/backward, DeepSpeed's gradient
-    reduction (in the boundary backward), the tables' gradient sync, DeepSpeed's step, the
-    tables' Adam and their rows' publication (the all-gathers to the other ranks'
-    tables). A `next_step` update is waited for in the table step, in both clocks: its
-    parts are measured whole (CPU time counts its work wherever it runs), and it does not
-    run into the next step's timing (what the overlap hides is the planner's model, not a
-    part measured here)."""
+    reduction (its hooks in the boundary backward and its epilogue), the tables' gradient
+    sync split as the planner splits it (collecting the row gradients, their exchange to
+    the owners, the norm: the finite check, squares and copies of `sync_grads` and
+    `grad_norm_sq` inside DeepSpeed's step), DeepSpeed's step, the tables' Adam and their
+    rows' publication (the all-gathers to the other ranks' tables). A `next_step` update
+    is waited for in the table step, in both clocks: its parts are measured whole (CPU time
+    counts its work wherever it runs), and it does not run into the next step's timing
+    (what the overlap hides is the planner's model, not a part measured here)."""
     from megatron_stem.train import _token_mean_loss
 
     engine, tables = update.engine, update.tables
     shards = getattr(tables.partition, "shards", None)
     t = PartTimer()
     with contextlib.ExitStack() as stack:
-        stack.enter_context(t.charged(engine, "allreduce_gradients", "backbone_reduce"))
+        for obj, method, part in (
+                (engine, "allreduce_gradients", "backbone_reduce"),
+                (engine.optimizer, "reduce_independent_p_g_buckets_and_remove_grads",
+                 "backbone_reduce"),
+                (tables, "_local_row_grads", "row_grads"),
+                (tables.partition, "sync", "exchange"),
+                (tables, "sync_grads", "norm"), (tables, "grad_norm_sq", "norm"),
+                (engine, "step", "backbone_step")):
+            if obj is not None and hasattr(obj, method):
+                stack.enter_context(t.charged(obj, method, part))
         if shards is not None:
             for publish in ("gather_shards", "gather_rows"):
                 stack.enter_context(t.charged(shards, publish, "publish"))
@@ -170,23 +193,62 @@ def timed_step(update, mbs, next_mbs=None) -> dict:
             t.lap("compute")
             if i + 1 < len(mbs):
                 engine.step()
-                t.lap("backbone_step")
+                t.lap(None)  # (DeepSpeed's micro-step: charged to backbone_step)
         next_ids = [mb["tokens"] for mb in next_mbs] if next_mbs else None
-        with t.charged(tables, "sync_grads", "sync"), \
-                t.charged(engine, "step", "backbone_step"):
-            update.apply(1e-3, 1.0, next_ids)  # the rest of it: the tables' step
+        update.apply(1e-3, 1.0, next_ids)  # the rest of it: the tables' step
         tables.finish()
         t.lap("table_adam")
     for c in (t.wall, t.cpu):
-        c.setdefault("publish", 0.0)
-        c.setdefault("backbone_reduce", 0.0)
-        c["step"] = sum(c.values())
+        for part in PARTS:
+            c.setdefault(part, 0.0)
+        c["step"] = sum(v for k, v in c.items() if k != "step")
     # host tables: the forwards' wait for staged rows, out of the compute's wall time (in
     # CPU time the staging threads' work is part of the compute: not separable)
     wait = tables.host_stats().get("prefetch_wait_ms", 0.0) / 1e3
     t.wall["compute"] -= wait
     t.wall["staging_wait"], t.cpu["staging_wait"] = wait, 0.0
     return {"wall": t.wall, "cpu": t.cpu}
+
+
+def boundary_segments(update, steps: list) -> list[float]:
+    """Wall seconds from the end of each step's last backward to the next step's first
+    table lookup returning, steps run back to back as train.train_step runs them (an
+    overlapped update is not waited for: the lookup waits for its own rows)."""
+    from megatron_stem.model.table import StemTable
+    from megatron_stem.train import train_step
+
+    first = next(m for m in update.engine.module.modules() if isinstance(m, StemTable))
+    marks = {}
+
+    def now() -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def looked_up(module, inputs, output):
+        if "backward_end" in marks and "lookup" not in marks:
+            marks["lookup"] = now()
+
+    apply = update.apply
+
+    def timed_apply(*args, **kwargs):
+        marks.clear()
+        marks["backward_end"] = now()
+        return apply(*args, **kwargs)
+
+    hook = first.register_forward_hook(looked_up)
+    update.apply = timed_apply
+    out = []
+    try:
+        for mbs, next_mbs in zip(steps, steps[1:]):
+            if "lookup" in marks:
+                out.append(marks["lookup"] - marks["backward_end"])
+            train_step(update, mbs, 1e-3, [mb["tokens"] for mb in next_mbs])
+    finally:
+        hook.remove()
+        del update.apply
+        update.tables.finish()
+    return out
 
 
 def worker(args) -> None:
@@ -208,7 +270,9 @@ def worker(args) -> None:
         torch.manual_seed(0)
         engine, tables, update = build_engine(build_model(
             recipe.model, recipe.parallel, tables=recipe.tables), recipe)
-        times, rows = [], []
+        times, rows, segments = [], [], []
+        if args.segment and variant.count("/") >= 3 and variant.split("/")[3] == "next_step":
+            segments = boundary_segments(update, steps)
         for i, (mbs, next_mbs) in enumerate(zip(steps, steps[1:])):
             dist.barrier()
             t = timed_step(update, mbs, next_mbs)
@@ -233,8 +297,9 @@ def worker(args) -> None:
         mean_rows = {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
         gathered = [None] * dp
         counted = {k: times[-1][k] for k in ("comm_bytes", "adam_elements")}
-        dist.all_gather_object(gathered, (best, mean_rows, counted))
+        dist.all_gather_object(gathered, (best, mean_rows, counted, segments))
         results[variant] = {
+            "segment": max(min(g[3]) for g in gathered) if segments else None,
             "parts": {clock: {k: max(g[0][clock][k] for g in gathered) for k in best[clock]}
                       for clock in best},
             "counted": gathered[0][2],
@@ -265,10 +330,24 @@ def text_ids(tmp: Path) -> Path:
     return path
 
 
-# The planner's components of the tables' update that publish the updated rows to the
-# other ranks' tables (the rest of the update phase is the Adam itself).
-PUBLISH = ("all-gather updated rows", "cast updated rows", "H2D updated rows",
-           "place gathered rows")
+# Which of the planner's components make each measured part (by the start of their names;
+# the rest of the `compute`, `reduction` and `backbone` phases are those parts).
+PART_OF = {"row_grads": ("collect row grads",),
+           "exchange": ("row ids", "pack, sum", "grad all-reduce", "grad reduce",
+                        "owned grads", "grads to owners"),
+           "norm": ("finite check", "norm:", "tables' grads made", "D2H grads"),
+           "publish": ("all-gather updated rows", "H2D updated rows", "place gathered rows"),
+           "table_adam": ("CPU Adam", "accelerator Adam", "row gather/scatter", "launch:")}
+PARTS = ("compute", "backbone_reduce", "backbone_step", "row_grads", "exchange", "norm",
+         "table_adam", "publish", "staging_wait", "step")
+
+
+def part_of(component) -> str:
+    for part, names in PART_OF.items():
+        if component.name.startswith(names):
+            return part
+    return {"compute": "compute", "staging": "compute", "reduction": "backbone_reduce",
+            "backbone": "backbone_step"}[component.phase]
 
 
 def predict(variant: str, dp: int, args, hw, rows: dict | None):
@@ -280,37 +359,62 @@ def predict(variant: str, dp: int, args, hw, rows: dict | None):
     w = step.workload(recipe, cluster, rows_override=rows)
     p = step.plan(w, None if variant == "dense" else step.configured_option(recipe),
                   cluster, hw)
-
-    def total(phase, name=lambda n: True):
-        return sum(c.seconds for c in p.components if c.phase == phase and name(c.name))
-
-    def reduce(n):
-        return n.startswith("backbone grad")
-
-    def publish(n):
-        return n.startswith(PUBLISH)
-
-    parts = {"compute": p.seconds("compute"),
-             "backbone_reduce": total("backbone", reduce),
-             "backbone_step": total("backbone", lambda n: not reduce(n)),
-             "sync": p.seconds("sync"),
-             "table_adam": total("tables", lambda n: not publish(n)),
-             "publish": total("tables", publish),
-             "staging_wait": step.exposed_staging_seconds(
-                 w, [c for c in p.components if c.phase == "staging"], p.seconds("compute"))}
+    parts = dict.fromkeys(PARTS, 0.0)
+    for c in p.components:
+        parts[part_of(c)] += c.seconds
+    staging = [c for c in p.components if c.phase == "staging"]
     if args.clock == "cpu":  # CPU time counts work, hidden or not; staging threads' too
-        parts["compute"] += p.seconds("staging")
-        parts["staging_wait"] = 0.0
         parts["step"] = sum(c.seconds for c in p.components)
     else:
+        parts["compute"] -= p.seconds("staging")
+        parts["staging_wait"] = step.exposed_staging_seconds(w, staging, p.seconds("compute"))
         parts["step"] = p.step_s
     parts.update({"comm_bytes": 0, "adam_elements": 0} |
                  {k.split("/")[1]: v for k, v in p.counters.items()})
+    if p.option is not None and p.option.overlap == "next_step":
+        parts["segment"] = step.boundary_segment_seconds(w, p)
     return parts, w.rows
 
 
-PARTS = ("compute", "backbone_reduce", "backbone_step", "sync", "table_adam", "publish",
-         "staging_wait", "step")
+# The 1B step's tables' CPU work on one node: one DP32 shard of a table (of five), its
+# rows consecutive in a separate fp32 master, the new rows written in bf16.
+SHARD_ROWS_1B, WIDTH_1B, TABLES_1B = 128256 // 32, 8192, 5
+
+
+def node_model(processes: int, threads: int, tiny: bool = False) -> None:
+    """The tables' row Adam of `processes` ranks of `threads` threads sharing this host's
+    DRAM, measured, against the model of `hardware.node_cpu_seconds` built from this
+    host's rates with every core busy (one process per core, one thread each: a core's
+    rate and the DRAM's copy rate); then the same model for a DGX H100/H200 node (8 ranks
+    of 14 cores, 430 GB/s), scaled by hardware.py's documented constants."""
+    from megatron_stem.planning import calibrate, hardware
+
+    cores = len(os.sched_getaffinity(0))
+    rows, width = (256, 1024) if tiny else (SHARD_ROWS_1B, WIDTH_1B)
+    call = f"row_adam_rate('deepspeed', {rows}, {width})"
+    per_core = min(calibrate.corun(call, cores))
+    dram = sum(calibrate.corun("dram_copy_rate()", cores))
+    ranks = min(calibrate.corun(call, processes, threads))
+    elements = SHARD_ROWS_1B * WIDTH_1B
+    h200 = hardware.PUBLISHED["h200"]
+    nbytes = h200.row_adam_bytes_per_element
+    model = min(per_core * threads, dram / processes / nbytes)
+    print(f"\nnode model of the tables' row Adam ({rows:,} x {width:,} rows per "
+          f"call, bf16 out, {nbytes} B of DRAM traffic per element):")
+    print(f"  this host, {cores} cores busy: {per_core / 1e9:.2f} G elem/s per core, DRAM copy "
+          f"{dram / 1e9:.1f} GB/s (read + written)")
+    print(f"  {processes} ranks x {threads} threads here: measured {ranks / 1e9:.2f} G elem/s "
+          f"per rank, model {model / 1e9:.2f} ({model / ranks:.2f} x measured; "
+          f"{'cores' if per_core * threads < dram / processes / nbytes else 'DRAM'} bind)")
+    ranks_node, threads_node = 8, h200.cores // 8
+    compute = per_core * hardware.NODE_CORE_SPEED * threads_node
+    memory = h200.dram_bw / ranks_node / nbytes
+    step = TABLES_1B * elements / min(compute, memory)
+    print(f"  a DGX H100/H200 node, {ranks_node} ranks x {threads_node} cores, "
+          f"{h200.dram_bw / 1e9:.0f} GB/s: cores {compute / 1e9:.1f}, DRAM "
+          f"{memory / 1e9:.2f} G elem/s per rank: the 1B step's {TABLES_1B} shards "
+          f"({TABLES_1B * elements / 1e6:.0f}M elements) in {step * 1e3:.0f} ms per rank "
+          f"(the h200 profile's per-core rate: {h200.cpu_adam_rate / 1e9:.2f} G elem/s)")
 
 
 def main() -> None:
@@ -321,9 +425,11 @@ def main() -> None:
                     help="dense, or placement/update/partition[/overlap], comma-separated")
     ap.add_argument("--microbatches", type=int, default=2, help="per rank per step")
     ap.add_argument("--steps", type=int, default=3, help="measured steps (after a first)")
-    ap.add_argument("--calibrate", action="store_true", help="re-measure the cpu profile")
-    ap.add_argument("--preset", default="cpu", choices=["cpu", "gpu-1b", "tiny"],
-                    help="model shape: cpu (the calibration shape), gpu-1b, tiny (dry run)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="measure the cpu profile first (3-4 minutes, with progress)")
+    ap.add_argument("--preset", default="cpu", choices=["cpu", "boundary", "gpu-1b", "tiny"],
+                    help="model shape: cpu (the calibration shape), boundary (the tables' "
+                         "step boundary the larger part), gpu-1b, tiny (dry run)")
     ap.add_argument("--kernel", default="deepspeed", choices=["deepspeed", "torch"],
                     help="the tables' CPU Adam")
     ap.add_argument("--clock", choices=["cpu", "wall"],
@@ -331,6 +437,12 @@ def main() -> None:
                          "a shared machine inflate wall time) or wall time (default on GPUs)")
     ap.add_argument("--hardware", default="cpu", help="the planner's profile to predict with")
     ap.add_argument("--profile", help="a profile JSON to predict with (bench/gpu/run_all.sh)")
+    ap.add_argument("--segment", action="store_true",
+                    help="also time the step boundary of `next_step` variants (wall time, "
+                         "from the last backward to the next step's first table lookup)")
+    ap.add_argument("--node-model", metavar="PROCESSES,THREADS",
+                    help="only the tables' row Adam of PROCESSES ranks of THREADS threads "
+                         "sharing this host's DRAM, against the node model")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -338,12 +450,16 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if args.node_model:
+        node_model(*map(int, args.node_model.split(",")), tiny=args.preset == "tiny")
+        return
     if args.clock is None:
         args.clock = "wall" if torch.cuda.is_available() else "cpu"
-    from megatron_stem.planning import hardware
+    from megatron_stem.planning import calibrate, hardware
 
-    hw = hardware.read(args.profile) if args.profile else \
-        hardware.load(args.hardware, calibrate=args.calibrate)
+    if args.calibrate:
+        calibrate.measure_and_save()
+    hw = hardware.read(args.profile) if args.profile else hardware.load(args.hardware)
     print(f"{hw.name} profile: {hw.peak_flops * hw.mfu / 1e9:.1f} GFLOP/s per rank, CPU Adam "
           f"{hw.cpu_adam_rate / 1e9:.2f} G elem/s per core, {hw.cores} cores; load average "
           f"{os.getloadavg()[0]:.1f} at start")
@@ -361,7 +477,7 @@ def main() -> None:
                             "--out", str(out), "--variants", args.variants, "--steps",
                             str(args.steps), "--microbatches", str(args.microbatches),
                             "--preset", args.preset, "--kernel", args.kernel,
-                            "--clock", args.clock],
+                            "--clock", args.clock] + (["--segment"] if args.segment else []),
                            check=True, env=env, stdout=subprocess.DEVNULL)
             measured = json.loads(out.read_text())
             for variant, m in measured.items():
@@ -402,6 +518,11 @@ def main() -> None:
                     print(f"  {part:<16}{got:>10.3f}{a:>11.3f}{ra:>7.2f}{b:>9.3f}{rb:>7.2f}"
                           f"{note}")
                 summary.append((f"DP{dp} {variant}", cells))
+                if m.get("segment") is not None:
+                    print(f"  step boundary, last backward to the next step's first lookup "
+                          f"(wall time): measured {m['segment']:.4f} s, predicted "
+                          f"{with_rows['segment']:.4f} s "
+                          f"({with_rows['segment'] / m['segment']:.2f} x)")
     print("\n" + markdown_table(summary))
     print(f"\nworst |predicted/measured - 1| over the major parts (measured rows): "
           f"{worst:.0%}; load average "

@@ -1,4 +1,4 @@
-from megatron_stem.accounting import account, roi
+from megatron_stem.accounting import account, roi, training_flops_per_token
 from megatron_stem.config import ModelConfig, ParallelConfig, load_recipe
 from megatron_stem.model import build_model
 from workers.common import tiny_model
@@ -18,6 +18,23 @@ def test_paper_1b_numbers():
     assert acc.flops_per_token == 2 * acc.active_params
     dense = account(load_recipe(ROOT / "recipes" / "dense_1b.yaml").model)
     assert dense.total_params == dense.active_params == acc.dense_params
+
+
+def test_mfu_flops_by_the_fields_count_by_hand():
+    """6 x the non-embedding parameters (the output layer in, the input embedding out) + 12
+    x layers x hidden x sequence, counted from the Llama-3.2-1B shape by hand."""
+    d, kv, ff, vocab, layers, seq = 2048, 512, 8192, 128256, 16, 2048
+    layer = d * (d + 2 * kv + d) + 3 * d * ff + 2 * d  # q, k, v, o; gate, up, down; norms
+    dense = layers * layer + d + vocab * d  # + final norm + output layer
+    attention = 12 * layers * d * seq
+    dense_1b = load_recipe(ROOT / "recipes" / "dense_1b.yaml").model
+    assert training_flops_per_token(dense_1b) == 6 * dense + attention == 8_220_192_768
+    assert abs(training_flops_per_token(dense_1b) / 8.22e9 - 1) < 0.01
+    # STEM: five layers' up-projections are lookups; the tables are not counted
+    stem_1b = load_recipe(ROOT / "recipes" / "stem_1b.yaml").model
+    assert training_flops_per_token(stem_1b) == 6 * (dense - 5 * d * ff) + attention
+    # the paper's count (2 x active, forward) keeps the input embedding
+    assert account(dense_1b).flops_per_token == 2 * (dense + vocab * d)
 
 
 def test_stored_params_equal_a_built_model(world1):

@@ -24,6 +24,9 @@ def test_the_gpu_script_runs_at_toy_sizes_and_fits_its_time(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     smoke = (tmp_path / "smoke.txt").read_text().splitlines()
     assert len(smoke) == 4 and all(line.startswith("ok ") for line in smoke), smoke
-    for name in ("h200.json", "components.txt", "plan_today.txt", "plan_best.txt"):
+    for name in ("h200.json", "components.txt", "node.txt", "plan_today.txt", "plan_best.txt"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert "predicted step time STEM" in (tmp_path / "plan_best.txt").read_text()
+    components = (tmp_path / "components.txt").read_text()
+    assert components.count("step boundary, last backward to the next step's first lookup") == 2
+    assert "per rank, model" in (tmp_path / "node.txt").read_text()

@@ -20,7 +20,7 @@ class HostTables:
     def __init__(self):
         self.taken = 0
 
-    def stats(self):
+    def stats(self, wait=True):
         return {"unique_rows": 7}
 
     def host_stats(self):  # averages since the last call

@@ -11,7 +11,8 @@ option `--choose` names: `recipe` (default: what the recipe trains with), `best`
 fastest exact option with the tables' optimizer states in CPU memory), `best-any` (GPU
 states may compete), or an explicit placement/update/partition/overlap/optimizer.
 Hardware: h100, h200 (published numbers, or a refit from bench/gpu/run_all.sh), cpu (this
-machine, measured once and cached; --calibrate re-measures). See docs/tables.md.
+machine, as `python -m megatron_stem.planning.calibrate` measured it; --calibrate measures it
+first, 3-4 minutes with progress). See docs/tables.md.
 """
 
 import argparse
@@ -30,7 +31,8 @@ def parse_args(argv=None):
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--hardware", default="h200", help=f"one of {', '.join(hardware.NAMES)}")
-    ap.add_argument("--calibrate", action="store_true", help="re-measure the cpu profile")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="measure the cpu profile first (3-4 minutes, with progress)")
     ap.add_argument("--profile", help="a profile JSON to use instead (calibrate.py --out)")
     ap.add_argument("--choose", default="recipe")
     ap.add_argument("--zipf", type=float, default=rows.ZIPF_EXPONENT,
@@ -63,8 +65,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise UserError("--nodes and --gpus-per-node must be >= 1")
-    hw = hardware.read(args.profile) if args.profile else \
-        hardware.load(args.hardware, calibrate=args.calibrate)
+    if args.calibrate:
+        if args.hardware != "cpu" or args.profile:
+            raise UserError("--calibrate measures the cpu profile: use it with --hardware cpu")
+        from megatron_stem.planning import calibrate  # noqa: PLC0415
+
+        calibrate.measure_and_save()
+    hw = hardware.read(args.profile) if args.profile else hardware.load(args.hardware)
     stem_recipe = load_recipe(args.recipe, args.overrides)
     dense_recipe = load_recipe(args.baseline)
     if not stem_recipe.model.is_stem:

@@ -1,19 +1,24 @@
-"""Measure the `cpu` hardware profile on this machine.
+"""Measure a hardware profile: the explicit step the planner's `cpu` profile comes from.
 
-Every figure is what one training rank gets while the others run: each micro-benchmark
-runs in one process per core at the same time (one thread each, as the ranks run), timed
-in the process's CPU time (which other jobs on a shared machine do not inflate; the
-bench compares the trainer's parts in the same clock), at the sizes the calibration step
-moves, best of a few repeats (other jobs only ever slow a run down), slowest process:
-DeepSpeed's CPU Adam kernel and the same update in torch ops (elements/s),
-torch.optim.AdamW (the backbone's optimizer on CPU), a row gather, a copy into a reused
-buffer and a copy into a newly allocated one (large buffers are fresh pages every
-time: page faults, several times slower), the forward/backward FLOP/s
-of the calibration model, and gloo's all-reduce, all-to-all and all-gather on one rank
-per core (CPU time per byte moved) with the CPU time of a one-element all-reduce.
-
-    python -m megatron_stem.planning.calibrate   # prints the profile, caches it
+    python -m megatron_stem.planning.calibrate   # this machine: 3-4 minutes, with progress
     python -m megatron_stem.planning.calibrate --gpu h200 --out h200.json  # on a GPU node
+
+`cpu`: every figure is what one training rank gets while the others run: each
+micro-benchmark (microbench.py) runs in one process per core at the same time (one thread
+each, as the ranks run), timed in the process's CPU time (which other jobs on a shared
+machine do not inflate; the bench compares the trainer's parts in the same clock), at the
+sizes the calibration step moves, best of a few repeats (other jobs only ever slow a run
+down), slowest process: the tables' row Adam as the optimizer calls it (consecutive and
+scattered rows), the torch kernel's arithmetic, torch.optim.AdamW (the backbone's optimizer
+on CPU), a row gather, a copy into a reused buffer and one into a newly allocated one
+(large buffers are fresh pages every time: page faults, several times slower), the step
+boundary's collection of row gradients (RowGradSum through its hooks), the owners' sums,
+the norm's squares, the forward/backward FLOP/s of the calibration model, and gloo's
+all-reduce, all-to-all and all-gather on one rank per core (CPU time per byte moved) with
+the CPU time of a one-element all-reduce.
+
+GPU (`--gpu`): the single-GPU constants of a published profile refit on this machine's GPU
+(`measure_gpu`), what bench/gpu/run_all.sh runs on a lent H200.
 """
 
 from __future__ import annotations
@@ -31,8 +36,11 @@ from pathlib import Path
 
 import torch
 
+from megatron_stem.accounting import training_flops_per_token
 from megatron_stem.config import ModelConfig
-from megatron_stem.planning.hardware import CACHE_DIR, Hardware, save
+from megatron_stem.planning.hardware import (CACHE_DIR, PROFILE_VERSION, PUBLISHED, Hardware,
+                                             save)
+from megatron_stem.planning.microbench import best, copy_rates, flat_adam_rate, row_adam_rate
 
 # The calibration shape: 32k vocabulary (the shipped corpus through a 32k BPE model), four
 # STEM layers of eight, sized so DP4 with replicated tables fits in this shared machine's
@@ -41,92 +49,31 @@ CALIBRATION_MODEL = dict(hidden_size=256, num_layers=8, num_attention_heads=4,
                          num_query_groups=2, ffn_hidden_size=512, vocab_size=32000,
                          seq_length=256, rotary_base=10000.0)
 MICRO_BATCH = 2
+# The step boundary's parts made the larger part of a step (bench/plan_calibration.py
+# `--preset boundary`): a narrow backbone, two wide STEM tables (32k x 2048), 4,096 tokens
+# per rank per step.
+BOUNDARY_MODEL = dict(hidden_size=64, num_layers=4, num_attention_heads=2, num_query_groups=1,
+                      ffn_hidden_size=2048, vocab_size=32000, seq_length=256,
+                      rotary_base=10000.0)
+BOUNDARY_MICRO_BATCH = 8
 
 
-def _clock():
-    """One-thread CPU work is timed in this process's CPU time, which other jobs on a
-    shared machine do not inflate; anything threaded, waiting or on a GPU in wall time."""
-    if torch.get_num_threads() == 1 and not torch.cuda.is_available():
-        return time.process_time
-    return time.perf_counter
+def _say(progress, message: str) -> None:
+    if progress is not None:
+        progress(message)
 
 
-def _best(fn, repeats: int = 5, clock=None) -> float:
-    clock = clock or _clock()
-    fn()  # warm-up: allocations, first-touch pages
-    times = []
-    for _ in range(repeats):
-        start = clock()
-        fn()
-        times.append(clock() - start)
-    return min(times)
+def stderr_progress(message: str) -> None:
+    print(f"calibrate: {message}", file=sys.stderr, flush=True)
 
 
-def adam_rate(kernel: str, elements: int = 1 << 25) -> float:
-    """Elements/s of one in-place AdamW update of contiguous fp32 tensors, one thread
-    (at 8M elements, 128 MB of state and grad: from DRAM, not the caches, as a table's
-    update runs)."""
-    from megatron_stem.training.tables.adam import AdamKernel
-
-    k = AdamKernel(kernel, (0.9, 0.95), 1e-8)
-    p, g, m, v = (torch.rand(elements) for _ in range(4))
-    step = iter(range(1, 1 << 30))
-    return elements / _best(lambda: k.update(next(step), 1e-3, 0.1, p, g, m, v))
-
-
-def optimizer_rate(elements: int = 1 << 25) -> float:
-    """Elements/s of torch.optim.AdamW's step (what DeepSpeed runs for the backbone with a
-    torch optimizer on CPU), one thread."""
-    param = torch.nn.Parameter(torch.rand(elements))
-    param.grad = torch.rand(elements)
-    opt = torch.optim.AdamW([param], lr=1e-3, weight_decay=0.1)
-    return elements / _best(opt.step)
-
-
-def copy_rates(rows: int = 65536, width: int = 1024, picked: int = 16384) -> tuple[float, float]:
-    """(gather, memcpy) bytes written per second at the current thread count, into reused
-    buffers (64 MB: the size of the calibration step's grads and tables)."""
-    table = torch.randn(rows, width)
-    ids = torch.randperm(rows)[:picked].sort().values
-    out = torch.empty(picked, width)
-    src = torch.randn(picked, width)
-    nbytes = out.numel() * 4
-    gather = nbytes / _best(lambda: torch.index_select(table, 0, ids, out=out))
-    memcpy = nbytes / _best(lambda: out.copy_(src))
-    return gather, memcpy
-
-
-def alloc_copy_rate(nbytes: int = 64 << 20) -> float:
-    """Bytes/s of a copy into a newly allocated buffer (what `clone`, `torch.cat` or a
-    flatten does): on the CPU, glibc maps a buffer this large afresh and every page faults
-    on its first write; GPUs' caching allocators reuse memory (the profile then leaves 0:
-    the memory bandwidth)."""
-    src = torch.randn(nbytes // 4)
-    return nbytes / _best(src.clone)
-
-
-# Sizes of the calibration step (DP2): a table's rows one owner updates (16,000 x 512),
-# the backbone's ZeRO partition (10M elements).
-TABLE_ADAM_ELEMENTS = 1 << 23
-BACKBONE_PARTITION_ELEMENTS = 10 << 20
-
-
-def rank_rates() -> dict:
-    """One rank's CPU rates (one thread), at the calibration step's sizes."""
-    torch.set_num_threads(1)
-    gather, memcpy = copy_rates()
-    return {"cpu_adam_rate": adam_rate("deepspeed", TABLE_ADAM_ELEMENTS),
-            "torch_adam_rate": adam_rate("torch", TABLE_ADAM_ELEMENTS),
-            "backbone_adam_rate": optimizer_rate(BACKBONE_PARTITION_ELEMENTS),
-            "gather_bw": gather, "memory_bw": memcpy, "alloc_copy_bw": alloc_copy_rate()}
-
-
-def _corun(call: str, processes: int) -> list:
-    """`call`'s result in each of `processes` fresh one-thread processes started together:
-    what each rank gets while the others run."""
-    code = ("import torch\ntorch.set_num_threads(1)\n"
-            f"from megatron_stem.planning.calibrate import *\nprint(repr({call}))")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def corun(call: str, processes: int, threads: int = 1) -> list:
+    """`call`'s result in each of `processes` fresh processes of `threads` threads started
+    together: what each rank gets while the others run."""
+    code = (f"import torch\ntorch.set_num_threads({threads})\n"
+            "from megatron_stem.planning.calibrate import *\n"
+            f"from megatron_stem.planning.microbench import *\nprint(repr({call}))")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                               text=True, env=env) for _ in range(processes)]
     outs = [p.communicate()[0] for p in procs]
@@ -161,27 +108,38 @@ def compute_rate(model_kwargs: dict | None = None, micro_batch: int = MICRO_BATC
             net.zero_grad(set_to_none=True)
             _synchronize()
 
-        return _best(fwd_bwd, steps)
+        return best(fwd_bwd, steps)
     finally:
         destroy_distributed()
 
 
-def compute_rates(model_kwargs: dict, micro_batch: int, dtype: str) -> tuple[float, float]:
-    """(FLOP/s of the dense model, bytes/s of the STEM tables' rows): the STEM model's
-    time beyond its FLOPs at the dense rate, charged to the four passes over its looked-up
-    rows that the planner counts (`table rows in fwd/bwd`)."""
-    from megatron_stem.accounting import training_flops_per_token
-
-    tokens = micro_batch * model_kwargs["seq_length"]
-    dense = ModelConfig(**model_kwargs)
-    stem = ModelConfig(**model_kwargs, stem_layers="1/2")
+def compute_seconds(model_kwargs: dict, micro_batch: int, dtype: str,
+                    progress=None) -> tuple[float, float]:
+    """(dense, STEM) forward/backward seconds of one micro-batch of the model as a rank runs
+    it (STEM at 1/2 of the layers)."""
     call = f"compute_rate({model_kwargs!r}, {micro_batch}, {dtype!r}"
-    flops = training_flops_per_token(dense) * tokens / _rank_seconds(call + ")")
-    stem_s = _rank_seconds(call + ", stem_layers='1/2')")
-    extra = stem_s - training_flops_per_token(stem) * tokens / flops
-    rows = 4 * tokens * stem.ffn_hidden_size * len(stem.stem_layer_indices) * \
-        (2 if dtype == "bf16" else 4)
-    return flops, rows / max(extra, 1e-6)
+    _say(progress, "2/4 forward/backward of the dense calibration model")
+    dense_s = _rank_seconds(call + ")")
+    _say(progress, "3/4 ... and of its STEM version (the tables' rows)")
+    return dense_s, _rank_seconds(call + ", stem_layers='1/2')")
+
+
+def table_rows_bw(model_kwargs: dict, micro_batch: int, dtype: str, dense_s: float,
+                  stem_s: float, hw: Hardware) -> float:
+    """Bytes/s of the STEM tables' rows in forward/backward: the STEM model's time beyond
+    the dense shape's less its fc1 saving (compute.py, on `hw`'s GEMM curve), over the
+    passes over looked-up rows the planner counts; 0 (the memory's rate) when that is
+    within 5% of the step, under this machine's noise."""
+    from megatron_stem.config import Recipe, TrainConfig
+    from megatron_stem.planning.compute import TABLE_ROW_PASSES, fc1_saving
+    from megatron_stem.planning.workload import Cluster, workload
+
+    recipe = Recipe(model=ModelConfig(**model_kwargs, stem_layers="1/2"), train=TrainConfig(
+        micro_batch_size=micro_batch, global_batch_size=micro_batch, dtype=dtype))
+    w = workload(recipe, Cluster(1, 1))
+    extra = stem_s - (dense_s - fc1_saving(w, hw, 1)[1])
+    rows = TABLE_ROW_PASSES * w.tokens * w.shape.width * w.shape.tables * w.dtype_bytes
+    return rows / extra if extra > 0.05 * stem_s else 0.0
 
 
 def _rank_seconds(call: str) -> float:
@@ -189,7 +147,7 @@ def _rank_seconds(call: str) -> float:
     GPU in a fresh process; on the CPU in one process per core at once, the slowest."""
     if torch.cuda.is_available():
         return _in_fresh_process(call)
-    return max(_corun(call, len(os.sched_getaffinity(0))))
+    return max(corun(call, len(os.sched_getaffinity(0))))
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -212,11 +170,11 @@ def copy_link_rates(nbytes: int = 1 << 30) -> dict:
             dst.copy_(src, non_blocking=pinned)
             _synchronize()
 
-        h2d = _best(lambda host=host: copy(dev, host), 3)
-        d2h = _best(lambda host=host: copy(host, dev), 3)
+        h2d = best(lambda host=host: copy(dev, host), 3)
+        d2h = best(lambda host=host: copy(host, dev), 3)
         out[name] = nbytes / max(h2d, d2h)
     other = torch.empty_like(dev)
-    out["device"] = 2 * nbytes / _best(lambda: (other.copy_(dev), _synchronize()), 5)
+    out["device"] = 2 * nbytes / best(lambda: (other.copy_(dev), _synchronize()), 5)
     return out
 
 
@@ -236,7 +194,7 @@ def _gloo_worker(rank: int, world: int, path: str, out: str) -> None:
         def run():
             dist.barrier()
             fn()
-        return _best(run, repeats, time.process_time)
+        return best(run, repeats, time.process_time)
 
     tiny = torch.ones(1)
     shard = torch.ones(n // world)
@@ -272,25 +230,46 @@ def gloo_rates(alloc_copy_bw: float, world: int = 2) -> dict:
             "allgather_bw": moved / gather, "latency": t["latency"]}
 
 
-def measure_cpu() -> Hardware:
-    """The `cpu` profile, measured now (two to three minutes): a rank's CPU time while
-    every core runs a rank (module docstring)."""
+def measure_cpu(progress=stderr_progress) -> Hardware:
+    """The `cpu` profile, measured now (three to four minutes, saying what it measures as
+    it goes): a rank's CPU time while every core runs a rank (module docstring)."""
     cores = len(os.sched_getaffinity(0))
-    ranks = _corun("rank_rates()", cores)
+    _say(progress, f"measuring this machine's cpu profile, one rank per core ({cores}); "
+                   "3-4 minutes")
+    _say(progress, "1/4 one rank's CPU rates: row Adam, copies, row gradients, norm")
+    ranks = corun("rank_rates()", cores)
     rate = {k: min(r[k] for r in ranks) for k in ranks[0]}  # the slowest rank's
-    flops, table_bw = compute_rates(CALIBRATION_MODEL, MICRO_BATCH, "fp32")
+    dense_s, stem_s = compute_seconds(CALIBRATION_MODEL, MICRO_BATCH, "fp32", progress)
+    flops = training_flops_per_token(ModelConfig(**CALIBRATION_MODEL)) * MICRO_BATCH * \
+        CALIBRATION_MODEL["seq_length"] / dense_s
+    flat = Hardware(**{**PUBLISHED["h200"].__dict__, "peak_flops": flops, "mfu": 1.0,
+                       "gemm_curve": (), "device_is_host": True, "cores": cores})
+    table_bw = table_rows_bw(CALIBRATION_MODEL, MICRO_BATCH, "fp32", dense_s, stem_s, flat)
+    _say(progress, "4/4 gloo's all-reduce, all-to-all and all-gather")
     gloo = gloo_rates(rate["alloc_copy_bw"], cores)
+    _say(progress, "done")
     return Hardware(
-        name="cpu", peak_flops=flops, mfu=1.0, memory_bw=rate["memory_bw"],
+        name="cpu", peak_flops=flops, mfu=1.0, gemm_curve=(), memory_bw=rate["memory_bw"],
         table_rows_bw=table_bw, memory_bytes=0.0,
         nvlink_bw=0.0, nic_bw=0.0, nics_per_node=0, pinned_copy_bw=rate["memory_bw"],
-        pageable_copy_bw=rate["memory_bw"], dram_bw=2 * rate["memory_bw"] * cores,
+        pageable_copy_bw=rate["memory_bw"], dram_bw=rate["memory_bw"] * cores,
         gather_bw=rate["gather_bw"] * cores, cpu_adam_rate=rate["cpu_adam_rate"],
+        scattered_adam_rate=rate["scattered_adam_rate"],
         torch_adam_rate=rate["torch_adam_rate"], cores=cores,
         backbone_adam_rate=rate["backbone_adam_rate"], alloc_copy_bw=rate["alloc_copy_bw"],
+        row_grads_bw=rate["row_grads_bw"], pack_bw=rate["pack_bw"], norm_bw=rate["norm_bw"],
         device_is_host=True, gloo_allreduce_busbw=gloo["allreduce_busbw"],
         gloo_alltoall_bw=gloo["alltoall_bw"], gloo_allgather_bw=gloo["allgather_bw"],
-        collective_latency=gloo["latency"])
+        collective_latency=gloo["latency"], version=PROFILE_VERSION)
+
+
+def measure_and_save(path: Path | None = None, progress=stderr_progress) -> Hardware:
+    """Measure the `cpu` profile and write it where `hardware.load("cpu")` reads it."""
+    hw = measure_cpu(progress)
+    path = path or CACHE_DIR / "cpu.json"
+    save(hw, path)
+    _say(progress, f"wrote {path}")
+    return hw
 
 
 def _in_fresh_process(call: str) -> float:
@@ -317,29 +296,60 @@ def measure_gpu(name: str, tiny: bool = False, kernel: str = "deepspeed") -> Har
     and InfiniBand stay published (one GPU cannot measure them). `tiny`: the same steps
     at toy sizes, on whatever device there is (a dry run). `kernel: torch` where
     DeepSpeed's CPU Adam cannot be built: its rate is then the torch kernel's."""
-    from megatron_stem.planning.hardware import PUBLISHED
-
     base = PUBLISHED[name]
     cores = len(os.sched_getaffinity(0))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     size = 1 << (20 if tiny else 25)
     try:
-        pt = adam_rate("torch", size)
-        ds = adam_rate("deepspeed", size) if kernel == "deepspeed" else pt
+        pt = flat_adam_rate("torch", size)
+        rows = size // (256 if tiny else 8192)
+        ds = row_adam_rate("deepspeed", rows, 256 if tiny else 8192) \
+            if kernel == "deepspeed" else pt
         torch.set_num_threads(cores)
         gather, memcpy = copy_rates(*((4096, 256, 1024) if tiny else ()))
     finally:
         torch.set_num_threads(threads)
     model, mbs = (TINY_MODEL, 2) if tiny else (GPU_MODEL_1B, 4)
-    flops, table_bw = compute_rates(model, mbs, "bf16")
+    dense_s, stem_s = compute_seconds(model, mbs, "bf16")
+    flops = training_flops_per_token(ModelConfig(**model)) * mbs * model["seq_length"] / dense_s
     fit = dict(mfu=min(1.0, flops / base.peak_flops), cpu_adam_rate=ds, torch_adam_rate=pt,
-               cores=cores, dram_bw=2 * memcpy, gather_bw=gather, table_rows_bw=table_bw)
+               cores=cores, dram_bw=memcpy, gather_bw=gather,
+               gemm_curve=gemm_curve(model, mbs, base.peak_flops))
+    fit["table_rows_bw"] = table_rows_bw(model, mbs, "bf16", dense_s, stem_s,
+                                         dataclasses.replace(base, **fit))
     if torch.cuda.is_available():
         links = copy_link_rates(1 << (24 if tiny else 30))
         fit.update(pinned_copy_bw=links["pinned"], pageable_copy_bw=links["pageable"],
                    memory_bw=links["device"])
     return dataclasses.replace(base, **fit)
+
+
+def gemm_curve(model: dict, micro_batch: int, peak_flops: float) -> tuple:
+    """The GEMM efficiency curve refit at the model's own linear layers (QKV, attention
+    output, fc1 fused and the STEM gate alone, fc2, the output layer): per layer the
+    forward, input-gradient and weight-gradient GEMMs of one micro-batch in bf16, as
+    ((FLOPs of one GEMM, achieved fraction of peak), ...). On a CPU (a dry run) the same
+    GEMMs in fp32, over the GPU's peak: the steps, not a GPU's figures."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    h, f, v = model["hidden_size"], model["ffn_hidden_size"], model["vocab_size"]
+    kv = h // model["num_attention_heads"] * model["num_query_groups"]
+    t = micro_batch * model["seq_length"]
+    points = []
+    for fan_in, fan_out in ((h, h + 2 * kv), (h, h), (h, 2 * f), (h, f), (f, h), (h, v)):
+        x = torch.randn(t, fan_in, device=dev, dtype=dtype)
+        w = torch.randn(fan_out, fan_in, device=dev, dtype=dtype)
+        dy = torch.randn(t, fan_out, device=dev, dtype=dtype)
+
+        def gemms(x=x, w=w, dy=dy):
+            (x @ w.t(), dy @ w, dy.t() @ x)
+            _synchronize()
+
+        seconds = best(gemms, 3, time.perf_counter)
+        flops = 2 * t * fan_in * fan_out
+        points.append((float(flops), min(1.0, 3 * flops / seconds / peak_flops)))
+    return tuple(sorted(points))
 
 
 def main() -> None:
@@ -350,8 +360,11 @@ def main() -> None:
                     help="the CPU Adam the tables will run (torch: DeepSpeed's cannot build)")
     ap.add_argument("--out", help="where to write the profile (default: the planner's cache)")
     args = ap.parse_args()
-    hw = measure_gpu(args.gpu, args.tiny, args.kernel) if args.gpu else measure_cpu()
-    save(hw, Path(args.out) if args.out else CACHE_DIR / f"{hw.name}.json")
+    if args.gpu:
+        hw = measure_gpu(args.gpu, args.tiny, args.kernel)
+        save(hw, Path(args.out) if args.out else CACHE_DIR / f"{hw.name}.json")
+    else:
+        hw = measure_and_save(Path(args.out) if args.out else None)
     print(hw.to_json())
 
 

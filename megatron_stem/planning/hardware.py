@@ -12,26 +12,44 @@ GPU profiles are published numbers (per GPU unless said; GB = 1e9 bytes):
 | node DRAM | 2-socket Sapphire Rapids, 8 ch DDR5-4800 per socket = 2 x 307 GB/s peak | same | Intel Xeon 8480+ spec (DGX H100 CPUs) |
 
 Derived, and stated as assumptions (bench/gpu/run_all.sh refits them on one H200):
-- achievable MFU of the forward/backward: 40% (Megatron-class 1B training in bf16 at
-  seq 2048; the 0.76 s/step of issue 11's estimate is the same 400 TFLOP/s);
+- achievable MFU of the dense forward/backward at the 1B shapes: 37%, by the field's count
+  of FLOPs (accounting.py): a Llama-3.2-1B-shaped baseline trains at ~42k tokens/s per H100
+  (8 GPUs), 34.9% of 989 TFLOP/s at 8.22 GFLOP/token for the whole step, of which the
+  forward/backward is ~95%; MPT-1B at seq 2048 reports 41.5%;
+- one bf16 GEMM's share of peak by its FLOPs (`GEMM_CURVE`, interpolated in log FLOPs):
+  80% at the top (the maximum achievable matmul FLOP/s of an H100 SXM, 794.5 of 989
+  TFLOP/s, "H200 is the same": stas00/ml-engineering's MAMF table), ~70% at the 1B
+  model's FFN GEMMs (8192 x 2048 x 8192-16384), falling to ~35% at 1e10 FLOP; the STEM
+  layers' fc1 (the gate alone, half the fused gate+up GEMM) is priced on it, so a removed
+  up-projection saves what it costs (`planning/compute.py`);
 - collectives reach 80% of link bandwidth (NCCL ring bus bandwidth, large messages) and
   cost 30 us per call (NCCL small-message latency across nodes);
+- a host sync (`.item()`, `.tolist()`, `torch.unique`'s size) costs 50 us: the GPU's queue
+  drains and the kernels after it start from an idle device (launch latency, assumed);
+- elementwise passes over accelerator memory (upcasts, sums, copies) reach 80% of HBM;
 - pageable (unpinned) host<->device copies: 20 GB/s; pinned: 55 GB/s;
 - node DRAM achievable: 70% of peak = 430 GB/s, shared by the node's ranks;
 - host<->device copies of all a node's GPUs land in the same DRAM: a rank's copy rate is
   at most the node DRAM bandwidth over its ranks.
+- the node's CPU work (the tables' row Adam) per rank: its share of the cores at the rate
+  one core of this machine reaches with every core busy (`NODE_CORE_SPEED` times it), or
+  its share of the node's DRAM at the bytes per element it moves, whichever binds
+  (`node_cpu_seconds`); bench/plan_calibration.py prints the model, run_all.sh measures
+  it with 8 processes on the H200 host.
 
-The `cpu` profile is this machine, measured by `planning/calibrate.py` and cached in a
-small JSON (`--calibrate` re-measures): everything is one node, "device" memory is host
-memory (no copies), collectives are gloo's. Its rates are a rank's CPU time (one thread)
-while every core runs a rank, at the calibration step's sizes: the clock
-bench/plan_calibration.py compares in on this shared machine.
+The `cpu` profile is this machine, measured by an explicit step, `python -m
+megatron_stem.planning.calibrate` (three to four minutes, with progress; cached in a small
+JSON): everything is one node, "device" memory is host memory (no copies), collectives are
+gloo's. Its rates are a rank's CPU time (one thread) while every core runs a rank, at the
+calibration step's sizes: the clock bench/plan_calibration.py compares in on this shared
+machine. A missing or outdated profile is an error that says how to measure it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,14 +64,25 @@ MMAP_THRESHOLD = 32 << 20
 
 # Where `cpu` constants are cached, and the h200 refit from bench/gpu/run_all.sh.
 CACHE_DIR = Path.home() / ".cache" / "megatron_stem" / "planner"
+# A `cpu` profile measured by another version of calibrate.py is not read (its fields or
+# their meaning differ): raise with each change of what it measures.
+PROFILE_VERSION = 3
+MEASURE_COMMAND = "python -m megatron_stem.planning.calibrate"
+
+# One bf16 GEMM's fraction of peak by its FLOPs (module docstring), H100/H200 SXM.
+GEMM_CURVE = ((1e9, 0.10), (1e10, 0.35), (1e11, 0.62), (1e12, 0.76), (1e13, 0.80))
+# Node CPU cores of a DGX H100/H200 (Xeon 8480C, AVX-512) against one core of the machine
+# that measured the `cpu` profile, at the tables' row Adam: assumed equal (the op binds on
+# DRAM at a GPU node's 14 cores per rank long before its core speed matters).
+NODE_CORE_SPEED = 1.0
 
 
 @dataclass(frozen=True)
 class Hardware:
     name: str
     peak_flops: float  # per accelerator, the dtype training uses (bf16 on GPUs)
-    mfu: float  # achievable share of peak_flops in forward/backward
-    memory_bw: float  # accelerator memory (HBM; the CPU profile: its memcpy), B/s
+    mfu: float  # achievable MFU of a dense forward/backward (accounting.py's FLOPs)
+    memory_bw: float  # accelerator memory (HBM; the CPU profile: its memcpy), B/s read + written
     memory_bytes: float  # accelerator memory capacity
     nvlink_bw: float  # per GPU per direction, B/s (CPU profile: unused)
     nic_bw: float  # per NIC per direction, B/s
@@ -62,7 +91,7 @@ class Hardware:
     pageable_copy_bw: float  # host<->device per GPU, pageable, B/s
     dram_bw: float  # node DRAM, achievable, B/s (read + write bytes)
     gather_bw: float  # node: rows gathered (index_select), bytes written per second
-    cpu_adam_rate: float  # CPU Adam, DeepSpeed kernel: elements/s per core
+    cpu_adam_rate: float  # the tables' row Adam (DeepSpeed's arithmetic): elements/s per core
     torch_adam_rate: float  # the same in torch ops (`kernel: torch`): elements/s per core
     cores: int  # CPU cores per node
     adam_bytes_per_element: int = 28  # fp32 master, 2 moments, grad read; 3 written
@@ -76,6 +105,23 @@ class Hardware:
     # Copies into newly allocated buffers, B/s written: on the CPU a large allocation is
     # fresh pages (page faults) every time; 0 = memory_bw (GPUs' caching allocators)
     alloc_copy_bw: float = 0.0
+    # GEMM efficiency by FLOPs ((flops, fraction of peak), ...); empty: every GEMM at `mfu`
+    gemm_curve: tuple = GEMM_CURVE
+    host_sync_s: float = 50e-6  # one host sync on the accelerator (module docstring)
+    elementwise_efficiency: float = 0.8  # of memory_bw, for passes over device memory
+    # The row op's DRAM traffic per element (fp32 master, moments, grad read; master and
+    # moments written; the table-dtype row written, bf16): bytes of the stream model
+    row_adam_bytes_per_element: int = 30
+    # CPU profile only, measured with the trainer's own functions (bytes by the planner's
+    # count of each op, over its CPU time): collecting a step's row gradients
+    # (RowGradSum.take), the norm's squares, the owners' packing and sums; 0: memory_bw
+    row_grads_bw: float = 0.0
+    norm_bw: float = 0.0
+    pack_bw: float = 0.0
+    # the row op's elements/s on one core when a shard's rows are not consecutive in the
+    # master (an fp32 CPU table that is its own master); 0: cpu_adam_rate
+    scattered_adam_rate: float = 0.0
+    version: int = 0  # PROFILE_VERSION of a measured profile (published: 0)
     # CPU profile only: "device" memory is host memory, collectives are gloo's (measured).
     device_is_host: bool = False
     gloo_allreduce_busbw: float = 0.0
@@ -101,8 +147,41 @@ class Hardware:
 
     def compute_rate(self, ranks_per_node: int) -> float:
         """FLOP/s of one rank's forward/backward."""
-        share = self.threads_per_rank(ranks_per_node) if self.device_is_host else 1.0
-        return self.peak_flops * self.mfu * share
+        return self.peak_flops * self.mfu * self._share(ranks_per_node)
+
+    def _share(self, ranks_per_node: int) -> float:
+        """Of this profile's per-rank rates, the part a rank gets (CPU: time-sharing)."""
+        return self.threads_per_rank(ranks_per_node) if self.device_is_host else 1.0
+
+    def gemm_efficiency(self, flops: float) -> float:
+        """One GEMM's fraction of peak (`gemm_curve`, linear in log FLOPs, clamped)."""
+        curve = sorted(self.gemm_curve)
+        if not curve:
+            return self.mfu
+        x = math.log10(max(flops, 1.0))
+        points = [(math.log10(f), e) for f, e in curve]
+        if x <= points[0][0]:
+            return points[0][1]
+        for (x0, e0), (x1, e1) in zip(points, points[1:]):
+            if x <= x1:
+                return e0 + (e1 - e0) * (x - x0) / (x1 - x0)
+        return points[-1][1]
+
+    def gemm_seconds(self, flops: float, ranks_per_node: int) -> float:
+        """One GEMM of `flops` FLOPs."""
+        return flops / (self.peak_flops * self.gemm_efficiency(flops) *
+                        self._share(ranks_per_node))
+
+    def device_pass_seconds(self, nbytes: float, ranks_per_node: int, bw: float = 0.0) -> float:
+        """Elementwise passes moving `nbytes` (read + write) through device memory; `bw` a
+        measured rate of the op (CPU profile) instead of the memory's."""
+        rate = bw or self.memory_bw * (1.0 if self.device_is_host else
+                                       self.elementwise_efficiency)
+        return nbytes / (rate * self._share(ranks_per_node))
+
+    def syncs_seconds(self, syncs: float) -> float:
+        """`syncs` host syncs of the accelerator (none on the CPU: nothing to wait for)."""
+        return 0.0 if self.device_is_host else syncs * self.host_sync_s
 
     def ring_busbw(self, ranks: int, gpus_per_node: int) -> float:
         """Ring bus bandwidth over `ranks` ranks: within a node NVLink; across nodes the
@@ -151,16 +230,14 @@ class Hardware:
 
     def alloc_copy_seconds(self, nbytes: float, ranks_per_node: int,
                            buffer_bytes: float | None = None) -> float:
-        """One rank's copy of `nbytes` into newly allocated buffers of `buffer_bytes` each
-        (default: one buffer): the accelerator's memory (its caching allocator); on the CPU
-        profile, fresh pages with their page faults for buffers over glibc's mmap
+        """One rank's copy writing `nbytes` into newly allocated buffers of `buffer_bytes`
+        each (default: one buffer): the accelerator's memory (its caching allocator); on
+        the CPU profile, fresh pages with their page faults for buffers over glibc's mmap
         threshold, the heap's reused pages under it."""
         size = nbytes if buffer_bytes is None else buffer_bytes
-        bw = self.alloc_copy_bw if self.alloc_copy_bw and size > MMAP_THRESHOLD else \
-            self.memory_bw
-        if self.device_is_host:
-            bw *= self.threads_per_rank(ranks_per_node)
-        return nbytes / bw
+        if self.alloc_copy_bw and size > MMAP_THRESHOLD:
+            return nbytes / (self.alloc_copy_bw * self._share(ranks_per_node))
+        return self.device_pass_seconds(2 * nbytes, ranks_per_node)  # read + write
 
     def copy_bw(self, pinned: bool, ranks_per_node: int) -> float:
         """One rank's host<->device copy rate while every rank of the node copies."""
@@ -168,16 +245,30 @@ class Hardware:
         return min(link, self.dram_bw / ranks_per_node)
 
     def cpu_adam_seconds(self, elements_per_rank: float, ranks_per_node: int,
-                         kernel: str = "deepspeed") -> float:
-        """Every rank of a node runs its CPU Adam at once: the cores and the DRAM
-        bandwidth are shared (28 B of DRAM traffic per element). The CPU profile's rate
-        was measured on DRAM-sized tensors: it already holds the memory's limit."""
-        per_core = self.torch_adam_rate if kernel == "torch" else self.cpu_adam_rate
-        compute = elements_per_rank / (per_core * self.threads_per_rank(ranks_per_node))
+                         kernel: str = "deepspeed", scattered: bool = False) -> float:
+        """Every rank of a node runs its CPU Adam at once (`node_cpu_seconds`): the row op
+        (DeepSpeed's arithmetic on the rows in place, the table-dtype rows written in the
+        same pass) or the torch kernel. `scattered`: a shard's rows are not consecutive in
+        the master (the CPU profile's own-master fp32 tables)."""
+        if kernel == "torch":
+            rate, nbytes = self.torch_adam_rate, self.adam_bytes_per_element
+        else:
+            rate = self.scattered_adam_rate if scattered and self.scattered_adam_rate \
+                else self.cpu_adam_rate
+            nbytes = self.row_adam_bytes_per_element
+        return self.node_cpu_seconds(elements_per_rank, rate, nbytes, ranks_per_node)
+
+    def node_cpu_seconds(self, elements: float, per_core_rate: float, bytes_per_element: float,
+                         ranks_per_node: int) -> float:
+        """A rank's CPU work while every rank of its node runs the same: its cores at
+        `per_core_rate` (x NODE_CORE_SPEED on a GPU node), or its share of the node's
+        DRAM at `bytes_per_element`, whichever is slower. The CPU profile's rates were
+        measured with every core busy on DRAM-sized tensors: they hold both limits."""
         if self.device_is_host:
-            return compute
-        memory = elements_per_rank * self.adam_bytes_per_element / self.node_share(
-            self.dram_bw, ranks_per_node)
+            return elements / (per_core_rate * self.threads_per_rank(ranks_per_node))
+        compute = elements / (per_core_rate * NODE_CORE_SPEED *
+                              self.threads_per_rank(ranks_per_node))
+        memory = elements * bytes_per_element / self.node_share(self.dram_bw, ranks_per_node)
         return max(compute, memory)
 
     def to_json(self) -> str:
@@ -186,47 +277,52 @@ class Hardware:
 
 def _gpu(name: str, memory_bw: float, memory_bytes: float) -> Hardware:
     return Hardware(
-        name=name, peak_flops=989e12, mfu=0.40, memory_bw=memory_bw,
+        name=name, peak_flops=989e12, memory_bw=memory_bw,
         memory_bytes=memory_bytes, nvlink_bw=450 * GB, nic_bw=50 * GB, nics_per_node=8,
         pinned_copy_bw=55 * GB, pageable_copy_bw=20 * GB,
         dram_bw=0.7 * 2 * 8 * 38.4 * GB,  # 2 sockets x 8 channels x DDR5-4800
         gather_bw=0.7 * 2 * 8 * 38.4 * GB / 2,  # a gather reads and writes
-        # AVX-512 CPU Adam, per core (assumed; DRAM binds first at 28 B/element), 2 x 56
-        # cores; the torch kernel several times slower (ZeRO-Offload paper: CPU-Adam is
-        # 5-7x PyTorch's CPU Adam).
-        cpu_adam_rate=0.5e9, torch_adam_rate=0.08e9, cores=112)
+        # CPU Adam per core (assumed, about this machine's one-core rate with every core
+        # busy; DRAM binds first, `node_cpu_seconds`), 2 x 56 cores; the torch kernel
+        # several times slower (ZeRO-Offload paper: CPU-Adam is 5-7x PyTorch's CPU Adam).
+        cpu_adam_rate=1.0e9, torch_adam_rate=0.08e9, cores=112, mfu=0.37)
 
 
 PUBLISHED = {"h100": _gpu("h100", 3.35e12, 80e9), "h200": _gpu("h200", 4.8e12, 141e9)}
 NAMES = (*PUBLISHED, "cpu")
 
 
-def load(name: str, calibrate: bool = False, cache_dir: Path = CACHE_DIR) -> Hardware:
-    """A profile by name. `cpu`: this machine's measured constants (cached; `calibrate`
-    re-measures). A GPU profile refit on a real GPU (`<name>.json` in the cache folder,
-    written by bench/gpu/run_all.sh) takes precedence over the published numbers."""
+def load(name: str, cache_dir: Path = CACHE_DIR) -> Hardware:
+    """A profile by name. `cpu`: this machine's measured constants, from the cache that
+    `python -m megatron_stem.planning.calibrate` writes (never measured here: a missing or
+    outdated profile is a UserError saying how to make it). A GPU profile refit on a real
+    GPU (`<name>.json` in the cache folder, written by bench/gpu/run_all.sh) takes
+    precedence over the published numbers."""
     if name not in NAMES:
         raise UserError(f"--hardware: unknown profile {name!r} (choose from "
                         f"{', '.join(NAMES)})")
     path = cache_dir / f"{name}.json"
     if name == "cpu":
-        # a profile without `alloc_copy_bw` was measured one process at a time, partly in
-        # wall time (before the calibration's method of docs/tables.md): measure again
-        if calibrate or not path.is_file() or not read(path).alloc_copy_bw:
-            from megatron_stem.planning.calibrate import measure_cpu
-
-            save(measure_cpu(), path)
-        return read(path)
+        if not path.is_file():
+            raise UserError(f"no cpu profile at {path}: measure this machine first with "
+                            f"`{MEASURE_COMMAND}` (3-4 minutes)")
+        hw = read(path)
+        if hw.version != PROFILE_VERSION:
+            raise UserError(f"{path}: measured by an older calibration (version "
+                            f"{hw.version}, this one is {PROFILE_VERSION}); measure again with "
+                            f"`{MEASURE_COMMAND}` (3-4 minutes)")
+        return hw
     return read(path) if path.is_file() else PUBLISHED[name]
 
 
 def read(path: Path) -> Hardware:
     try:
         data = json.loads(Path(path).read_text())
+        data["gemm_curve"] = tuple(tuple(p) for p in data.get("gemm_curve", GEMM_CURVE))
         return Hardware(**data)
-    except (OSError, ValueError, TypeError) as e:
-        raise UserError(f"{path}: not a hardware profile ({e}); delete it or re-run with "
-                        "--calibrate") from None
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise UserError(f"{path}: not a hardware profile ({e}); delete it and measure again "
+                        f"(`{MEASURE_COMMAND}`)") from None
 
 
 def save(hw: Hardware, path: Path) -> None:

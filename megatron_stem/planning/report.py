@@ -14,20 +14,25 @@ def amount(value: float, unit: str) -> str:
         return f"{value:.0f} B"
     if unit == "FLOP":
         return f"{value:.3g} FLOP"
+    if unit == "sync":
+        return f"{value:.0f} syncs"
     return f"{value / 1e6:.1f}M elem" if value >= 1e6 else f"{value:.0f} elem"
 
 
 _OVERLAP_NOTE = {
     "compute": "serial",
-    "backbone": "serial after backward (overlap_comm off)",
+    "reduction": "with the last backward (overlap_comm)",
+    "backbone": "serial after backward",
     "staging": "one micro-batch ahead of compute",
 }
 
 
 def components(title: str, p: Plan) -> list[str]:
-    lines = [title, f"  {'component':<44}{'amount':>16}{'seconds':>10}  overlaps"]
+    lines = [title, f"  {'component':<58}{'amount':>16}{'seconds':>10}  overlaps"]
     for c in p.components:
         note = _OVERLAP_NOTE.get(c.phase, "")
+        if c.phase == "reduction" and c.resource == "mem":
+            note = "serial (the hooks, in backward)"
         if c.phase == "sync":
             note = "serial, at the last backward"
         if c.phase == "tables":
@@ -35,15 +40,17 @@ def components(title: str, p: Plan) -> list[str]:
                     "next_step": "with the next step; its rows first",
                     "backward": "with backward/backbone, pipelined per table",
                     "delayed": "with the next step (one step stale)"}[p.option.overlap]
-        lines.append(f"  {c.name:<44}{amount(c.amount, c.unit):>16}{c.seconds:>10.4f}  {note}")
+        lines.append(f"  {c.name:<58}{amount(c.amount, c.unit):>16}{c.seconds:>10.4f}  {note}")
+    lines.append(f"  {'backbone reduction: serial sum / exposed':<58}{'':>16}"
+                 f"{p.seconds('reduction'):>10.4f}  exposed {p.exposed_reduction_s:.4f}")
     tables = p.seconds("sync") + p.seconds("tables") + p.seconds("staging")
     if tables:
-        lines.append(f"  {'table path: serial sum / exposed':<44}{'':>16}{tables:>10.4f}  "
+        lines.append(f"  {'table path: serial sum / exposed':<58}{'':>16}{tables:>10.4f}  "
                      f"exposed {p.exposed_tables_s:.4f}")
     fit = "" if p.fits else f"  DOES NOT FIT: {p.why_not}"
-    lines.append(f"  {'step':<44}{'':>16}{p.step_s:>10.4f}  MFU {p.mfu:.1%}{fit}")
+    lines.append(f"  {'step':<58}{'':>16}{p.step_s:>10.4f}  MFU {p.mfu:.1%}{fit}")
     for name, value in p.counters.items():
-        lines.append(f"  counter {name:<36}{value:>16,.0f}")
+        lines.append(f"  counter {name:<50}{value:>16,.0f}")
     return lines
 
 

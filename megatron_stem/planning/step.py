@@ -1,9 +1,12 @@
 """The step-time model: one training step of one rank, component by component.
 
-A step is the forward/backward of the rank's micro-batches (FLOPs from `accounting.py`
-over the achievable FLOP/s), the backbone's ZeRO gradient reduction, parameter all-gather
-and optimizer step, and the tables' path (`traffic.py` counts, over the links of
-`hardware.py`). What overlaps what:
+A step is the forward/backward of the rank's micro-batches (`compute.py`), the backbone's
+ZeRO gradient reduction, step and parameter all-gather (`backbone.py`), and the tables'
+path: at the step boundary the gradient sync (collecting the row gradients, sending them to
+their owners, the norm's squares, the copy to where the optimizer state is: `passes.py`
+and `traffic.py` count it op by op), then the update (Adam, the updated rows to every
+holder). Everything is priced over the links and rates of `hardware.py`. What overlaps
+what:
 
 * `none`: the table path runs after the last backward, its stages one after another.
 * `backward` (exact): each table's gradient exchange (ids, grads to owners, D2H) starts
@@ -16,6 +19,10 @@ and optimizer step, and the tables' path (`traffic.py` counts, over the links of
   (host placement: before its first staging).
 * `delayed` (one-step-delayed update, not exact): step k's table path runs during step
   k+1, all tables ready at its start; only what outlasts step k+1 is exposed.
+* `next_step` (the code's, `tables.overlap`): the update runs from the next step's start,
+  first the rows that step reads (table by table in forward order: a table's first lookup
+  waits for its rows), then the rest, which must be done by the next gradient sync (the
+  trainer's log does not wait for it: `tables.stats(wait=False)`).
 
 Host placement stages each micro-batch's rows one micro-batch ahead: the staging of the
 first micro-batch is exposed, the others only by what exceeds a micro-batch's compute.
@@ -27,13 +34,16 @@ import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
-from megatron_stem.accounting import account, training_flops_per_token
 from megatron_stem.config import Recipe
 from megatron_stem.errors import UserError
-from megatron_stem.planning import rows as row_model
-from megatron_stem.planning import traffic
+from megatron_stem.planning import passes, traffic
+from megatron_stem.planning.backbone import (BACKBONE_OPTIMIZER_BYTES_PER_PARAM,
+                                             backbone_components)
+from megatron_stem.planning.compute import compute_components
 from megatron_stem.planning.hardware import Hardware
-from megatron_stem.planning.traffic import Layout, RowCounts, TableShape
+from megatron_stem.planning.traffic import Layout, RowCounts
+from megatron_stem.planning.workload import (Cluster, Component, Workload,  # noqa: F401
+                                             expected_rows, workload)
 from megatron_stem.training.tables.layout import TableLayout
 
 PLACEMENTS = ("device", "host")
@@ -45,23 +55,12 @@ PARTITIONS = ("replicated", "sharded")
 OVERLAPS = ("none", "next_step", "backward", "delayed")
 OPTIMIZERS = ("cpu", "accelerator")
 CHUNKS_PER_TABLE = 4  # `backward`/`delayed`: a table's rows go through the path in chunks
-# Activation memory per token per layer in bf16 without recompute, with flash attention
-# (Korthikanti et al. 2022: 34 x hidden bytes per token per layer, the s^2 term gone).
-ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN = 34
-# Passes over the partition's fp32 grads that DeepSpeed's ZeRO-1/2 step makes besides
-# Adam: into new buffers (the flattened partition, the norm's copy), and in place (clip,
-# the updated partition copied into the params).
-ZERO_STEP_BUFFER_PASSES = 2
-ZERO_STEP_PASSES = 2
-# Passes over the backbone's grads as DeepSpeed reduces them: into new buffers (the
-# bucket, its flattened copy for the collective; and the partition's share, 1/DP), and
-# in place (the averaging divide, the reduced values copied back into the bucket).
-# DeepSpeed's new buffers are costed as fresh pages whatever their size (as calibrated;
-# how it allocates them, not modelled), where our own are by size (`alloc_copy_seconds`).
-ZERO_REDUCE_BUFFER_PASSES = 2
-ZERO_REDUCE_PASSES = 2
-# ZeRO-1/2 backbone: bf16 params and grads on the device, fp32 master and moments / DP.
-BACKBONE_OPTIMIZER_BYTES_PER_PARAM = 12
+# The torch kernel on the accelerator (`optimizer.tables.device: accelerator`), per element
+# of a row subset: master and moments gathered (read + write 12 + 12), the gradient rows
+# placed into zeros (4 + 8) and clipped (8), AdamW in torch ops (mul_, lerp_, mul_ +
+# addcmul_, sqrt, div, add_, addcdiv_: 68), the rows scattered back (24) and written in
+# the table's dtype (6).
+ACCELERATOR_ROW_ADAM_BYTES = 24 + 12 + 8 + 68 + 24 + 6
 
 
 @dataclass(frozen=True)
@@ -127,102 +126,14 @@ def configured_option(recipe: Recipe) -> Option:
     return Option(t.placement, opt.update, t.partition, t.overlap, opt.device)
 
 
-# -- the workload -------------------------------------------------------------------------
+# -- the table path ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Cluster:
-    nodes: int
-    gpus_per_node: int
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-
-@dataclass(frozen=True)
-class Workload:
-    """One rank's step of a recipe on a cluster."""
-
-    name: str
-    dp: int
-    tp: int
-    microbatches: int
-    tokens_per_microbatch: int
-    flops_per_token: float  # forward + backward, as the trainer's MFU counts them
-    head_share: float  # of those FLOPs, the output layer's (first in backward)
-    num_layers: int
-    stem_layers: tuple[int, ...]
-    backbone_params: int  # per TP rank
-    activation_bytes: float
-    dtype_bytes: int
-    zero_stage: int
-    kernel: str  # the tables' CPU Adam: "deepspeed" | "torch"
-    shape: TableShape
-    rows: RowCounts
-    # The busiest owner's received rows over the mean in the grads-to-owners all-to-all:
-    # 1 with the shards' interleaved rows (training/tables/shards.py); contiguous ranges of
-    # a frequency-ordered BPE vocabulary would give the first owner ~3x (docs/tables.md).
-    owner_skew: float = 1.0
-
-    @property
-    def tokens(self) -> int:
-        return self.microbatches * self.tokens_per_microbatch
-
-    @property
-    def flops(self) -> float:
-        return self.tokens * self.flops_per_token
-
-    def layout(self, option: Option, cluster: Cluster, hw: Hardware) -> Layout:
-        return Layout(option.placement, option.update, option.partition, option.optimizer,
-                      dp=self.dp, ranks_per_copy=min(self.dp, cluster.gpus_per_node),
-                      grad_bytes=self.dtype_bytes, param_bytes=self.dtype_bytes,
-                      device_is_host=hw.device_is_host, overlap=option.overlap)
-
-
-def workload(recipe: Recipe, cluster: Cluster, exponent: float = row_model.ZIPF_EXPONENT,
-             rows_override: dict | None = None, name: str = "") -> Workload:
-    m, t, par = recipe.model, recipe.train, recipe.parallel
-    tp = par.tensor_parallel * par.pipeline_parallel
-    if cluster.world % tp:
-        raise UserError(f"--nodes x --gpus-per-node = {cluster.world} is not a multiple of "
-                        f"TP x PP = {tp}")
-    dp = cluster.world // tp
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise UserError(f"{name}: train.global_batch_size {t.global_batch_size} is not a "
-                        f"multiple of micro_batch_size x DP = {t.micro_batch_size * dp}")
-    mbs = t.global_batch_size // (t.micro_batch_size * dp)
-    per_mb = t.micro_batch_size * m.seq_length
-    flops = training_flops_per_token(recipe.model)
-    head = 6 * m.vocab_size * m.hidden_size / tp
-    stem = m.stem_layer_indices
-    shape = TableShape(len(stem), m.vocab_size, m.ffn_hidden_size // par.tensor_parallel)
-    counts = expected_rows(shape.rows, dp, mbs, per_mb, exponent, rows_override or {})
-    activations = ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN * per_mb * m.hidden_size * \
-        m.num_layers / tp
-    return Workload(
-        name=name, dp=dp, tp=tp, microbatches=mbs, tokens_per_microbatch=per_mb,
-        flops_per_token=flops / tp, head_share=min(head / flops, 0.9),
-        num_layers=m.num_layers, stem_layers=tuple(stem),
-        backbone_params=account(m).active_params // tp, activation_bytes=activations,
-        dtype_bytes=2 if t.dtype == "bf16" else 4, zero_stage=recipe.optimizer.zero_stage,
-        kernel=recipe.optimizer.tables.kernel, shape=shape, rows=counts)
-
-
-def expected_rows(vocab: int, dp: int, microbatches: int, per_microbatch: int,
-                  exponent: float, override: dict) -> RowCounts:
-    """Distinct rows per rank, per micro-batch and over DP from the Zipf model; `override`
-    replaces any of `rank_rows`, `union_rows`, `microbatch_rows`, `longest_rank_rows`
-    (measured counts)."""
-    rank_tokens = microbatches * per_microbatch
-    rank = override.get("rank_rows") or row_model.expected_distinct(rank_tokens, vocab, exponent)
-    union = override.get("union_rows") or row_model.expected_distinct(rank_tokens * dp, vocab,
-                                                                      exponent)
-    mb = override.get("microbatch_rows") or microbatches * row_model.expected_distinct(
-        per_microbatch, vocab, exponent)
-    return RowCounts(rank_rows=round(rank), union_rows=round(union),
-                     owned_rows=round(union / dp), microbatch_rows=round(mb),
-                     longest_rank_rows=round(override.get("longest_rank_rows") or rank))
+def layout_of(w: Workload, option: Option, cluster: Cluster, hw: Hardware) -> Layout:
+    return Layout(option.placement, option.update, option.partition, option.optimizer,
+                  dp=w.dp, ranks_per_copy=min(w.dp, cluster.gpus_per_node),
+                  grad_bytes=w.dtype_bytes, param_bytes=w.dtype_bytes,
+                  device_is_host=hw.device_is_host, overlap=option.overlap)
 
 
 def rows_for(counts: RowCounts, lay: Layout) -> RowCounts:
@@ -237,16 +148,6 @@ def rows_for(counts: RowCounts, lay: Layout) -> RowCounts:
 
 
 @dataclass
-class Component:
-    name: str
-    resource: str  # gpu | net | d2h | h2d | cpu | mem (the accelerator's memory)
-    amount: float
-    unit: str  # FLOP | B | elem
-    seconds: float
-    phase: str  # compute | backbone | tables | staging
-
-
-@dataclass
 class Plan:
     option: Option | None  # None: the dense baseline
     components: list[Component]
@@ -256,6 +157,7 @@ class Plan:
     fits: bool = True
     why_not: str = ""
     counters: dict = field(default_factory=dict)
+    exposed_reduction_s: float = 0.0  # of the backbone's gradient reduction
 
     def seconds(self, phase: str) -> float:
         return sum(c.seconds for c in self.components if c.phase == phase)
@@ -274,78 +176,34 @@ def _ring_seconds(bytes_: float, ranks: int, factor: float, hw: Hardware,
     return factor * bytes_ * (ranks - 1) / ranks / hw.ring_busbw(ranks, ranks_per_node)
 
 
-def compute_components(w: Workload, cluster: Cluster, hw: Hardware) -> list[Component]:
-    rpn = min(cluster.gpus_per_node, w.dp * w.tp)
-    out = [Component("forward/backward", "gpu", w.flops, "FLOP",
-                     w.flops / hw.compute_rate(rpn), "compute")]
-    if w.shape.tables:
-        # lookup writes the rows, backward writes their sparse grads, coalescing reads and
-        # writes them again: four passes over tokens x width per table
-        b = 4 * w.tokens * w.shape.width * w.shape.tables * w.dtype_bytes
-        bw = hw.table_rows_bw or hw.memory_bw
-        if hw.device_is_host:
-            bw *= hw.threads_per_rank(rpn)
-        out.append(Component("table rows in fwd/bwd (memory)", "mem", b, "B", b / bw,
-                             "compute"))
-    return out
-
-
-def backbone_components(w: Workload, cluster: Cluster, hw: Hardware) -> list[Component]:
-    """DeepSpeed's ZeRO-1/2 as configured (overlap_comm off, DeepSpeed's default
-    `use_multi_rank_bucket_allreduce`): at the accumulation boundary (ZeRO-2: every
-    micro-batch) the grads are copied into the reduction bucket, flattened and all-reduced
-    (the whole grads, not a reduce-scatter), and the partition's share copied out; then
-    the partition's Adam and the all-gather of the updated params."""
-    p, dp = w.backbone_params, w.dp
-    rpn = min(cluster.gpus_per_node, dp)
-    grads = p * w.dtype_bytes
-    reductions = 1 if w.zero_stage == 1 else w.microbatches
-    out = [Component(f"backbone grad all-reduce (ZeRO-{w.zero_stage})", "net",
-                     grads * reductions, "B",
-                     reductions * _ring_seconds(grads, dp, 2, hw, rpn), "backbone")]
-    bw = hw.memory_bw if not hw.device_is_host else hw.memory_bw * hw.threads_per_rank(rpn)
-    # (on one rank too: DeepSpeed still buckets, flattens and all-reduces over a world of 1)
-    fresh = reductions * grads * (ZERO_REDUCE_BUFFER_PASSES + 1 / dp)
-    in_place = reductions * grads * ZERO_REDUCE_PASSES
-    out.append(Component("backbone grad buffers (memory)", "mem", fresh + in_place, "B",
-                         hw.alloc_copy_seconds(fresh, rpn) + in_place / bw, "backbone"))
-    elems = p / dp
-    if hw.device_is_host:
-        rate = hw.backbone_adam_rate or hw.torch_adam_rate
-        opt_s = elems / (rate * hw.threads_per_rank(rpn))
-    else:
-        opt_s = elems * (hw.adam_bytes_per_element + w.dtype_bytes) / hw.memory_bw
-    out.append(Component("backbone Adam (partition)", "mem", elems, "elem", opt_s, "backbone"))
-    # DeepSpeed's passes over the partition's fp32 grads around its Adam
-    fresh, in_place = ZERO_STEP_BUFFER_PASSES * elems * 4, ZERO_STEP_PASSES * elems * 4
-    out.append(Component("backbone ZeRO bookkeeping (memory)", "mem", fresh + in_place, "B",
-                         hw.alloc_copy_seconds(fresh, rpn) + in_place / bw, "backbone"))
-    received = grads * (dp - 1) / dp
-    out.append(Component("backbone param all-gather", "net", received, "B",
-                         hw.allgather_seconds(received, dp, rpn), "backbone"))
-    return out
-
-
 def table_components(w: Workload, option: Option, cluster: Cluster,
                      hw: Hardware) -> tuple[list[Component], Layout]:
     """The table path's stages for all tables, in the order the code runs them; the
     gradient sync's stages have phase `sync` (they run at the accumulation boundary, on
     the critical path, whatever the overlap), the update's `tables`."""
-    lay = w.layout(option, cluster, hw)
+    lay = layout_of(w, option, cluster, hw)
     s, c = w.shape, rows_for(w.rows, lay)
     gpn = min(cluster.gpus_per_node, w.dp)
     rpn = gpn
     out: list[Component] = []
 
-    def add(name, resource, amount, unit, seconds, calls=0, phase="tables"):
-        """`calls`: collectives issued (each costs the latency)."""
+    def add(name, resource, amount, unit, seconds, calls=0, phase="tables", syncs=0):
+        """`calls`: collectives issued (each costs the latency); `syncs`: host syncs."""
         if amount:
-            out.append(Component(name, resource, amount, unit,
-                                 seconds + calls * hw.collective_latency, phase))
+            out.append(Component(name, resource, amount, unit, seconds + calls *
+                                 hw.collective_latency + hw.syncs_seconds(syncs), phase))
+
+    def memory(name, nbytes, syncs=0, phase="sync", bw=0.0):
+        add(name, "mem", nbytes, "B", hw.device_pass_seconds(nbytes, rpn, bw), phase=phase,
+            syncs=syncs)
 
     T = s.tables
     sharded = lay.partition == "sharded"
     sync = "sync" if option.overlap in ("none", "next_step") else "tables"
+    if lay.placement == "device":  # host tables' staged rows are summed as they arrive
+        memory("collect row grads (RowGradSum.take)",
+               passes.collect_bytes(s, w.tokens, c, w.dtype_bytes),
+               passes.collect_syncs(s, w.microbatches), sync, hw.row_grads_bw)
     ids = traffic.index_bytes(s, lay, c)
     if sharded:  # counts and ids to owners, all-to-all (next_step: twice)
         add("row ids and counts (all-to-all)", "net", ids, "B",
@@ -353,6 +211,8 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
     else:  # padded ids all-gathered (device placement: per table)
         add("row ids all-gather", "net", ids, "B", _ring_seconds(ids, w.dp, 1, hw, gpn),
             2 * (T if lay.placement == "device" else 1), sync)
+    memory("pack, sum and average grads (memory)", passes.pack_bytes(s, lay, c),
+           passes.pack_syncs(lay), sync, hw.pack_bw)
     b = traffic.grad_allreduce_bytes(s, lay, c)
     add("grad all-reduce of the union (fp32)", "net", b, "B",
         _ring_seconds(b, w.dp, 2, hw, gpn), T, sync)
@@ -366,13 +226,26 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
     b = traffic.grads_to_owners_bytes(s, lay, c)
     add("grads to owners (all-to-all)", "net", b, "B",
         hw.alltoall_seconds(b, w.dp, cluster.gpus_per_node) * w.owner_skew, 1, sync)
+    memory("finite check of own row grads", passes.finite_bytes(s, c, w.dtype_bytes))
+    memory("norm: row sums of squares (fp64)", passes.norm_bytes(s, lay, c), 1, sync,
+           hw.norm_bw)  # (their sum read in `grad_norm_sq`: a sync)
+    memory("tables' grads made contiguous", passes.split_bytes(s, lay, c), 0, sync)
+    # Sharded CPU state: into reused pinned buffers, without waiting (comm.HostStaging), but
+    # on the compute stream: DeepSpeed's step queues behind the copies
     pinned = sharded
     kind = "pinned" if pinned else "pageable"
     b = traffic.grad_d2h_bytes(s, lay, c)
     add(f"D2H grads ({kind})", "d2h", b, "B", b / hw.copy_bw(pinned, rpn), 0, sync)
+    b = passes.norm_gather_bytes(s, lay, c)
+    add("norm: owners' squares all-gathered", "net", b, "B",
+        hw.allgather_seconds(b, lay.dp, gpn, 2), 3, sync, 1)  # counts, ids, squares
+    add("launch: the next step's rows first", "gpu", passes.launch_syncs(lay), "sync",
+        0.0, 2 if lay.dp > 1 else 0, sync, passes.launch_syncs(lay))
     elems = traffic.adam_elements(s, lay, c)
     if lay.optimizer == "cpu":
-        add("CPU Adam", "cpu", elems, "elem", hw.cpu_adam_seconds(elems, rpn, w.kernel))
+        scattered = lay.update == "lazy" or (lay.own_master and sharded)
+        add("CPU Adam (row op, writes the table-dtype rows)", "cpu", elems, "elem",
+            hw.cpu_adam_seconds(elems, rpn, w.kernel, scattered))
         if w.kernel == "torch" and (lay.update == "lazy" or lay.overlap == "next_step"):
             # index_select of master and moments into contiguous buffers, index_copy back
             # (DeepSpeed's arithmetic runs on the rows in place: AdamKernel.update_rows)
@@ -380,12 +253,9 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
             add("row gather/scatter of the state (CPU)", "cpu", b, "B",
                 b / hw.node_share(hw.gather_bw, rpn))
     else:
-        add("accelerator Adam (owned rows)", "mem", elems, "elem",
-            elems * hw.adam_bytes_per_element / hw.memory_bw)
+        add("accelerator Adam (owned rows, torch ops)", "mem", elems, "elem",
+            hw.device_pass_seconds(elems * ACCELERATOR_ROW_ADAM_BYTES, rpn))
     h2d = traffic.update_h2d_bytes(s, lay, c)
-    if h2d and not (lay.partition == "replicated" and lay.update == "dense"):
-        b = h2d / lay.param_bytes * (traffic.FP32 + lay.param_bytes)
-        add("cast updated rows on CPU", "cpu", b, "B", b / hw.node_share(hw.dram_bw, rpn))
     add(f"H2D updated rows ({kind})", "h2d", h2d, "B", h2d / hw.copy_bw(pinned, rpn))
     ag = traffic.gather_bytes(s, lay, c)
     phases = 2 if lay.overlap == "next_step" else 1
@@ -402,7 +272,7 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
             fresh = placed * (1 + 1 / w.dp if traffic.padded_gathers(lay) else 1)
             add("place gathered rows into the table (memory)", "mem", placed, "B",
                 hw.alloc_copy_seconds(fresh, rpn, placed / (T * w.dp)) +
-                2 * placed / hw.memory_bw)
+                hw.device_pass_seconds(2 * placed, rpn))
     else:
         add("all-gather updated rows across nodes (fp32)", "net", ag, "B",
             hw.allgather_seconds(ag, lay.copies, 1, T), T)
@@ -479,19 +349,14 @@ def exposed_table_seconds(w: Workload, option: Option, tables: list[Component],
     if option.overlap == "none" or not tables:
         return sum(c.seconds for c in tables)
     n = w.shape.tables
+    backbone = [c for c in backbone if c.phase == "backbone"]
     bb_net = sum(c.seconds for c in backbone if c.resource == "net")
     bb_s = sum(c.seconds for c in backbone)
     forward_mb = compute_s / w.microbatches / 3
     if option.overlap == "next_step":
-        # from the next step's start: each table's rows that step reads, in forward order,
-        # then the rest; a table's first lookup waits for its rows, the next gradient sync
-        # (after that step's backward) for everything
-        layers = sorted(w.stem_layers)
-        first = _scaled(tables, first_share / n)
-        rest = _scaled(tables, (1 - first_share) / n)
-        ends = _flow_shop([(0.0, first)] * n + [(0.0, rest)] * n, CHUNKS_PER_TABLE, {})
+        ends = _next_step_ends(w, tables, first_share)
         wait = max(0.0, *(end - forward_mb * _layer_share_below(w, layer)
-                          for end, layer in zip(ends[:n], layers)))
+                          for end, layer in zip(ends[:n], sorted(w.stem_layers))))
         return wait + max(0.0, max(ends) - wait - compute_s)
     per_table = _scaled(tables, 1 / n)
     blocked = {"net": (compute_s, compute_s + bb_net)}
@@ -503,6 +368,31 @@ def exposed_table_seconds(w: Workload, option: Option, tables: list[Component],
     window = forward_mb * _layer_share_below(w, min(w.stem_layers)) \
         if option.placement == "device" else 0.0
     return max(0.0, max(_flow_shop([(0.0, per_table)] * n, CHUNKS_PER_TABLE, {})) - window)
+
+
+def _next_step_ends(w: Workload, tables: list[Component], first_share: float) -> list[float]:
+    """`next_step`: when each job is done from the next step's start: each table's rows
+    that step reads, in forward order, then the rest; a table's first lookup waits for its
+    rows, the next gradient sync (after that step's backward) for everything."""
+    n = w.shape.tables
+    first = _scaled(tables, first_share / n)
+    rest = _scaled(tables, (1 - first_share) / n)
+    return _flow_shop([(0.0, first)] * n + [(0.0, rest)] * n, CHUNKS_PER_TABLE, {})
+
+
+def boundary_segment_seconds(w: Workload, p: "Plan") -> float:
+    """From the end of the last backward to the next step's first table lookup, as the
+    code runs a table option: the backbone reduction's tail, the gradient sync, the
+    backbone's step, then (`next_step`) the next forward up to the first STEM layer or the
+    first table's rows, whichever is later; otherwise the whole update, then that forward
+    (bench/gpu/run_all.sh measures it)."""
+    compute_s = p.seconds("compute")
+    forward = compute_s / w.microbatches / 3 * _layer_share_below(w, min(w.stem_layers))
+    update = [c for c in p.components if c.phase == "tables"]
+    before = p.exposed_reduction_s + p.seconds("sync") + p.seconds("backbone")
+    if p.option.overlap == "next_step":
+        return before + max(forward, _next_step_ends(w, update, first_share(w, p.option))[0])
+    return before + sum(c.seconds for c in update) + forward
 
 
 def exposed_sync_seconds(w: Workload, option: Option, sync: list[Component],
@@ -519,10 +409,10 @@ def exposed_sync_seconds(w: Workload, option: Option, sync: list[Component],
     return max(0.0, max(_flow_shop(jobs, CHUNKS_PER_TABLE, {})) - compute_s)
 
 
-def first_share(w: Workload, lay: Layout) -> float:
+def first_share(w: Workload, option: Option | Layout) -> float:
     """`next_step`: the share of the update the next step reads (its rows over DP among
     the rows that change: all rows for `dense`, about all changed rows for `lazy`)."""
-    if lay.update == "lazy":
+    if option.update == "lazy":
         return 1.0
     return min(1.0, w.rows.union_rows / w.shape.rows)
 
@@ -560,8 +450,8 @@ def plan(w: Workload, option: Option | None, cluster: Cluster, hw: Hardware,
     """The predicted step of workload `w` (a STEM recipe trained per `option`, or a dense
     one when `option` is None)."""
     comp = compute_components(w, cluster, hw)
-    backbone = backbone_components(w, cluster, hw)
     compute_s = sum(c.seconds for c in comp)
+    backbone, reduction_s = backbone_components(w, cluster, hw, compute_s)
     components = comp + backbone
     exposed = 0.0
     lay = None
@@ -575,11 +465,12 @@ def plan(w: Workload, option: Option | None, cluster: Cluster, hw: Hardware,
             exposed_table_seconds(w, option, update, compute_s, backbone,
                                   first_share(w, lay)) + \
             exposed_staging_seconds(w, staging, compute_s)
-    step = compute_s + sum(c.seconds for c in backbone) + exposed
+    step = compute_s + reduction_s + sum(c.seconds for c in backbone if c.phase == "backbone") \
+        + exposed
     why = memory_check(w, lay, hw, cluster, host_memory_bytes)
     counters = traffic.counters(w.shape, lay, rows_for(w.rows, lay)) if lay is not None else {}
     return Plan(option, components, step, exposed, w.flops / (step * hw.peak_flops),
-                fits=not why, why_not=why, counters=counters)
+                fits=not why, why_not=why, counters=counters, exposed_reduction_s=reduction_s)
 
 
 def rank(w: Workload, cluster: Cluster, hw: Hardware,
