@@ -74,6 +74,8 @@ def _coerce(value: Any, typ: Any, where: str):
         raise ConfigError(f"{where}: {' or '.join(errors)}")
     if origin is Literal:
         choices = typing.get_args(typ)
+        if all(type(c) is int for c in choices) and isinstance(value, (str, float)):
+            value = _number(value, int, where)  # `zero_stage: "2"` as for an int field
         if value not in choices:
             raise ConfigError(f"{where}: expected one of {list(choices)}, got {value!r}")
         return value
@@ -91,14 +93,8 @@ def _coerce(value: Any, typ: Any, where: str):
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true/false, got {value!r}")
         return value
-    if typ is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if typ is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
+    if typ in (int, float):
+        return _number(value, typ, where)
     if typ is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
@@ -106,6 +102,30 @@ def _coerce(value: Any, typ: Any, where: str):
     if typ is Any:
         return value
     raise TypeError(f"unsupported config type {typ!r} at {where}")  # a bug in a dataclass
+
+
+def _number(value: Any, typ: type, where: str):
+    """A numeric field's value as people type it: whatever Python's `float()` (or `int()`)
+    reads, as a number or a string (YAML 1.1 reads `3e-4` and `1e5` as strings; so does an
+    override), and for an int field also a float that is integral (`1e5`, `2.0`). A bool
+    is never a number."""
+    number = value
+    if isinstance(value, str):
+        for parse in ((int, float) if typ is int else (float,)):
+            try:
+                number = parse(value)
+                break
+            except ValueError:
+                continue
+    if not isinstance(number, bool):
+        if typ is float and isinstance(number, (int, float)):
+            return float(number)
+        if typ is int and isinstance(number, int):
+            return number
+        if typ is int and isinstance(number, float) and number.is_integer():
+            return int(number)
+    kind = "an integer" if typ is int else "a number"
+    raise ConfigError(f"{where}: expected {kind}, got {value!r}")
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
