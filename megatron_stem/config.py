@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -274,6 +275,10 @@ class DataConfig:
     tokenizer_type: Literal["sentencepiece", "huggingface"] = "sentencepiece"
     tokenizer_model: str = ""
     cache_dir: Optional[str] = None  # megatron's sample index cache; default <save_dir>/data_cache
+    # Named validation sets, each one prefix or a list of them, read whole (no split) and
+    # logged as valid/<name>/loss beside the split's valid/loss; a split with no valid
+    # share ("100,0,0") leaves these only.
+    validation: dict[str, Union[str, list[str]]] = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.weights is not None and len(self.weights) != len(self.prefixes):
@@ -282,6 +287,29 @@ class DataConfig:
         parts = self.split.split(",")
         if len(parts) != 3 or not all(p.strip().replace(".", "", 1).isdigit() for p in parts):
             raise ConfigError(f"split: expected three numbers like '98,2,0', got {self.split!r}")
+        for name, prefixes in self.validation.items():
+            if not _SET_NAME.fullmatch(str(name)):
+                raise ConfigError(f"validation.{name}: a set's name is letters, digits, "
+                                  "'_', '-' or '.' (it names the set's TensorBoard tags)")
+            if not prefixes:
+                raise ConfigError(f"validation.{name}: no prefixes given")
+        if not self.split_validates and not self.validation:
+            raise ConfigError(f"split: {self.split!r} has no validation share and "
+                              "data.validation names no sets: nothing to validate on")
+
+    @property
+    def split_validates(self) -> bool:
+        """Whether `split` gives a share of the training prefixes' documents to validation."""
+        return float(self.split.split(",")[1]) > 0
+
+    @property
+    def validation_sets(self) -> dict[str, list[str]]:
+        """`validation` with every set as a list of prefixes."""
+        return {name: [p] if isinstance(p, str) else list(p)
+                for name, p in self.validation.items()}
+
+
+_SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 @dataclass
@@ -422,6 +450,67 @@ class TrainConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """A window of steps traced by torch's profiler (training/profiling.py), `profile`."""
+
+    start_step: int = 0  # the window's first step (steps count from 1); 0 = no trace
+    steps: int = 3  # steps in the window
+    ranks: list[int] = field(default_factory=lambda: [0])  # global ranks that trace
+    # On a GPU, also the CUDA allocator's history over the window, saved as a snapshot
+    # (pytorch.org/memory_viz); the trace then carries memory events too.
+    memory_snapshot: bool = True
+    record_shapes: bool = False  # input shapes of each op (a larger trace)
+    with_stack: bool = False  # Python stacks of each op (a much larger trace)
+    dir: Optional[str] = None  # default <train.save_dir>/profile
+
+    def validate(self) -> None:
+        if self.start_step < 0:
+            raise ConfigError(f"start_step: must be >= 0 (0 = off), got {self.start_step}")
+        if self.steps < 1:
+            raise ConfigError(f"steps: must be >= 1, got {self.steps}")
+        if self.start_step and not self.ranks:
+            raise ConfigError("ranks: no rank traces; name at least one (e.g. [0])")
+
+    @property
+    def last_step(self) -> int:
+        return self.start_step + self.steps - 1
+
+
+@dataclass
+class MetricsConfig:
+    """Where the scalars logged to TensorBoard go too (training/metrics.py), `metrics`."""
+
+    # Weights & Biases: a project name turns it on (rank 0 logs, the resolved recipe as the
+    # run's config; a resumed run continues the same W&B run). WANDB_MODE=offline works.
+    wandb_project: Optional[str] = None
+    wandb_entity: Optional[str] = None  # a team; default: your W&B default entity
+    wandb_name: Optional[str] = None  # the run's display name; default: save_dir's name
+
+
+@dataclass
+class LmEvalConfig:
+    """lm-evaluation-harness on the live model every `interval` steps (evaluation/),
+    `lm_eval`. Tasks scored by log-likelihood: multiple choice, loglikelihood, rolling."""
+
+    interval: int = 0  # 0 = off
+    tasks: list[str] = field(default_factory=list)  # task (or group) names
+    include_path: Optional[str] = None  # a folder of task YAMLs, e.g. over local files
+    num_fewshot: Optional[int] = None  # default: each task's own
+    limit: Optional[float] = None  # documents per task (below 1: a fraction); default all
+    batch_size: int = 8  # sequences per forward on each data-parallel rank
+
+    def validate(self) -> None:
+        for name in ("interval", "batch_size"):
+            if getattr(self, name) < (0 if name == "interval" else 1):
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.interval and not self.tasks:
+            raise ConfigError(f"tasks: none given to run every {self.interval} steps "
+                              "(lm_eval.interval=0 turns it off)")
+        if self.limit is not None and self.limit <= 0:
+            raise ConfigError(f"limit: must be positive, got {self.limit}")
+
+
+@dataclass
 class Recipe:
     """A whole recipe file: the model, its layout, and how to train it."""
 
@@ -431,9 +520,16 @@ class Recipe:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     tables: TableStorageConfig = field(default_factory=TableStorageConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    lm_eval: LmEvalConfig = field(default_factory=LmEvalConfig)
 
     def validate(self) -> None:
         self.parallel.check_model(self.model)
+        if self.profile.start_step and self.profile.last_step > self.train.steps:
+            raise ConfigError(f"profile.start_step: the window, steps {self.profile.start_step}"
+                              f"-{self.profile.last_step}, ends after the last step "
+                              f"(train.steps={self.train.steps})")
         tables = self.tables
         if tables.cache_rows > self.model.vocab_size:
             raise ConfigError(f"tables.cache_rows: {tables.cache_rows} rows exceed "

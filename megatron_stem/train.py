@@ -8,7 +8,8 @@ preemption, `--signal`) saves a checkpoint and exits with `EXIT_REQUEUE`.
 
 This module is the loop (`run`); what surrounds it has rooms of its own: save and resume
 `training/checkpointing.py`, the stop signal `training/stop.py`, logging and MFU
-`training/metrics.py`.
+`training/metrics.py`, phase timing and the profiler window `training/profiling.py`,
+downstream evaluation `evaluation/in_loop.py`.
 """
 
 from __future__ import annotations
@@ -25,14 +26,18 @@ from megatron.core import parallel_state as ps
 from megatron_stem import quiet
 from megatron_stem.config import Recipe, load_recipe
 from megatron_stem.errors import ConfigError, UserError, cli
+from megatron_stem.evaluation.in_loop import DownstreamEval
 from megatron_stem.model import build_model
 from megatron_stem.parallel import destroy_distributed, device, init_distributed
 from megatron_stem.training.checkpointing import Checkpointer, finished_step
-from megatron_stem.training.data import StepBatches, build_datasets, check_prefixes
+from megatron_stem.training.data import (StepBatches, build_datasets, build_validation_sets,
+                                         check_prefixes, check_validation_sets)
 from megatron_stem.training.engine import build_engine, clip_coefficient
 from megatron_stem.training.lr import lr_at
 from megatron_stem.training.metrics import Metrics
+from megatron_stem.training.profiling import UNTIMED, ProfilerWindow, check_ranks
 from megatron_stem.training.stop import EXIT_REQUEUE, StopSignal
+from megatron_stem.training.wandb_run import check_installed as check_wandb_installed
 
 
 def _gpus_given(environ) -> str | None:
@@ -77,21 +82,28 @@ def _token_mean_loss(model_or_engine, batch: dict) -> torch.Tensor:
     return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
 
 
-def train_step(engine, tables, microbatches: list[dict]) -> float:
+def train_step(engine, tables, microbatches: list[dict], timer=UNTIMED) -> float:
     """Forward/backward every micro-batch, then the engine's (dense) optimizer step.
     The tables' gradients are synced at the accumulation boundary, before the engine
     computes the global grad norm that includes them. Host-resident tables are handed the
     step's micro-batches first (their rows are staged one micro-batch ahead); the caller
-    runs `tables.step()` before the next `train_step`, so its updates land first."""
-    tables.stage(microbatches)
+    runs `tables.step()` before the next `train_step`, so its updates land first.
+    `timer` times the phases (training/profiling.py)."""
+    with timer.phase("tables_stage"):
+        tables.stage(microbatches)
     total = 0.0
     for batch in microbatches:
-        loss = _token_mean_loss(engine, batch)
-        engine.backward(loss)
-        total += loss.item()
+        with timer.phase("forward_backward"):
+            loss = _token_mean_loss(engine, batch)
+            engine.backward(loss)
+            total += loss.item()
         if engine.is_gradient_accumulation_boundary():
-            tables.sync_grads()
-        engine.step()
+            with timer.phase("tables_sync"):
+                tables.sync_grads()
+            with timer.phase("backbone_step"):
+                engine.step()
+        else:
+            engine.step()  # bookkeeping between micro-batches
     return total / len(microbatches)
 
 
@@ -116,25 +128,30 @@ def _load_tokenizer(recipe: Recipe):
     return tokenizer
 
 
-def _data(recipe: Recipe, tokenizer) -> tuple[StepBatches, list[dict]]:
-    """This data-parallel rank's training batches (by step) and validation micro-batches."""
+def _data(recipe: Recipe, tokenizer) -> tuple[StepBatches, dict[str | None, list[dict]]]:
+    """This data-parallel rank's training batches (by step) and validation micro-batches
+    of each set: None the split's, then the named sets of `data.validation`."""
     train = recipe.train
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per_eval = train.eval_iters * train.micro_batch_size * dp
+    cache = recipe.data.cache_dir or str(Path(train.save_dir) / "data_cache")
     train_ds, valid_ds = build_datasets(
-        recipe, tokenizer, train.steps * train.global_batch_size, per_eval,
-        recipe.data.cache_dir or str(Path(train.save_dir) / "data_cache"))
+        recipe, tokenizer, train.steps * train.global_batch_size, per_eval, cache)
     batches = StepBatches(train_ds, train.micro_batch_size, train.global_batch_size,
                           dp_rank, dp, device())
-    valid = StepBatches(valid_ds, train.micro_batch_size, per_eval, dp_rank, dp,
-                        device()).microbatches(0)
+    sets = {None: valid_ds} if valid_ds is not None else {}
+    sets.update(build_validation_sets(recipe, tokenizer, per_eval, cache))
+    valid = {name: StepBatches(ds, train.micro_batch_size, per_eval, dp_rank, dp,
+                               device()).microbatches(0) for name, ds in sets.items()}
     return batches, valid
 
 
 def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
-    """Train per `recipe`; returns {"losses": [per step run here], "valid": [...],
-    "step": last step, "preempted": bool}. `on_step(step)` is called after every step
-    (for tools and tests: profiling, fault injection)."""
+    """Train per `recipe`; returns {"losses": [per step run here], "valid": [the split's
+    validation losses, else the first named set's], "valid_sets": {name: [...]},
+    "downstream": [{"step": s, "scores": {task: {metric: value}}}] (rank 0), "step": last step, "preempted":
+    bool}. `on_step(step)` is called after every step (for tools and tests: fault
+    injection)."""
     train, opt = recipe.train, recipe.optimizer
     check_gpus_visible()
     if recipe.parallel.pipeline_parallel > 1:
@@ -145,11 +162,15 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     if finished is not None:
         return {"losses": [], "valid": [], "step": finished, "preempted": False}
     check_prefixes(recipe.data.prefixes)
+    check_validation_sets(recipe.data)
+    check_wandb_installed(recipe)
     tokenizer = tokenizer or _load_tokenizer(recipe)
     stop_signal = StopSignal()  # before anything slow (see there)
     init_distributed(recipe.parallel, seed=train.seed)
     tables = None
     try:
+        check_ranks(recipe.profile, dist.get_world_size())
+        downstream = DownstreamEval.start(recipe, tokenizer)  # None: lm_eval.interval 0
         checkpointer = Checkpointer(recipe)  # where the run starts; says any fallback
         model = build_model(recipe.model, recipe.parallel, seed=train.seed,
                             tables=recipe.tables)
@@ -160,26 +181,31 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
         batches, valid = _data(recipe, tokenizer)
         metrics = Metrics(recipe, first_step=step + 1)
         metrics.start(checkpointer.origin())
+        profiler = ProfilerWindow(recipe.profile, dist.get_rank(), train.save_dir)
 
-        result = {"losses": [], "valid": [], "step": step, "preempted": False}
+        result = {"losses": [], "valid": [], "valid_sets": {name: [] for name in valid
+                                                            if name is not None},
+                  "downstream": [], "step": step, "preempted": False}
         upcoming = batches.microbatches(step) if step < train.steps else None
         while step < train.steps:
+            profiler.before(step + 1)
             lr = lr_at(step, opt, train.steps)
             for group in engine.optimizer.param_groups:
                 group["lr"] = lr
-            loss = _mean_over_dp(train_step(engine, tables, upcoming))
+            loss = _mean_over_dp(train_step(engine, tables, upcoming, metrics.timer))
             # The next step's batch, now: an overlapped table update puts its rows first.
             upcoming = batches.microbatches(step + 1) if step + 1 < train.steps else None
-            tables.step(lr, clip_coefficient(norms, opt.clip_grad),
-                        next_ids=upcoming and [mb["tokens"] for mb in upcoming])
+            with metrics.timer.phase("tables_step"):
+                tables.step(lr, clip_coefficient(norms, opt.clip_grad),
+                            next_ids=upcoming and [mb["tokens"] for mb in upcoming])
             step += 1
+            profiler.after(step)
             result["losses"].append(loss)
             if on_step is not None:
                 on_step(step)
             metrics.step(step, loss, lr, norms, tables)
-            if step % train.eval_interval == 0 or step == train.steps:
-                result["valid"].append(evaluate(model, valid, tables))
-                metrics.valid(step, result["valid"][-1])
+            with metrics.paused():
+                _evaluations(step, recipe, model, tables, valid, downstream, metrics, result)
             stop = stop_signal.requested()
             checkpointer.save(step, force=stop)
             if stop:
@@ -189,12 +215,32 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
                 stop_signal.report()
                 break
         result["step"] = step
+        profiler.close()  # a stop inside the window: what it traced
         metrics.close()
         return result
     finally:
         if tables is not None:
             tables.close()  # the host tables' staging threads
         destroy_distributed()
+
+
+def _evaluations(step, recipe, model, tables, valid, downstream, metrics, result) -> None:
+    """The validation sets every `train.eval_interval` steps, lm-eval every
+    `lm_eval.interval` steps, each also at the last step."""
+    last = recipe.train.steps
+    if step % recipe.train.eval_interval == 0 or step == last:
+        first = next(iter(valid))  # the split's set when it has one
+        for name, microbatches in valid.items():
+            loss = evaluate(model, microbatches, tables)
+            metrics.valid(step, loss, name)
+            if name is not None:
+                result["valid_sets"][name].append(loss)
+            if name == first:
+                result["valid"].append(loss)
+    if downstream is not None and downstream.due(step, last):
+        scores = downstream.run(model, tables)
+        metrics.downstream(step, scores)
+        result["downstream"].append({"step": step, "scores": scores})
 
 
 @cli

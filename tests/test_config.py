@@ -192,3 +192,24 @@ def test_numbers_as_people_type_them_in_recipes_and_overrides(tmp_path):
             load_recipe(tmp_path / "mine.yaml", [override])
         assert str(e.value) == f"command line: {override}: {message}"
 
+
+@pytest.mark.parametrize("overrides, message", [
+    (["lm_eval.interval=100"], f"{ROOT / 'recipes' / 'tiny_cpu.yaml'}: lm_eval.tasks: none "
+                               "given to run every 100 steps (lm_eval.interval=0 turns it off)"),
+    (["lm_eval.tasks=[hellaswag]", "lm_eval.interval=-1"],
+     "command line: lm_eval.interval=-1: must be positive, got -1"),
+    (["data.validation={a/b: x}"], "command line: data.validation={a/b: x}: "
+                                   "data.validation.a/b: a set's name is letters, digits, '_', "
+                                   "'-' or '.' (it names the set's TensorBoard tags)"),
+    (["data.split=100,0,0"], "command line: data.split=100,0,0: '100,0,0' has no validation "
+                             "share and data.validation names no sets: nothing to validate on"),
+])
+def test_the_long_run_sections_refuse_what_cannot_run(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_recipe(ROOT / "recipes" / "tiny_cpu.yaml", overrides)
+    assert str(e.value) == message
+    recipe = load_recipe(ROOT / "recipes" / "tiny_cpu.yaml",
+                         ["data.split=100,0,0", "data.validation={a: x, b: [y, z]}",
+                          "lm_eval.tasks=[hellaswag]"])  # interval 0: off, tasks kept
+    assert recipe.data.validation_sets == {"a": ["x"], "b": ["y", "z"]}
+    assert not recipe.data.split_validates and recipe.lm_eval.interval == 0

@@ -15,39 +15,69 @@ from megatron_stem.config import Recipe
 from megatron_stem.errors import UserError
 
 
-def check_prefixes(prefixes: list[str]) -> None:
+def check_prefixes(prefixes: list[str], field: str = "data.prefixes") -> None:
     if not prefixes:
-        raise UserError("data.prefixes: no training data given (a list of .bin/.idx prefixes)")
+        raise UserError(f"{field}: no training data given (a list of .bin/.idx prefixes)")
     for prefix in prefixes:
         missing = [ext for ext in (".bin", ".idx") if not Path(prefix + ext).is_file()]
         if missing:
-            raise UserError(f"data.prefixes: {prefix}{missing[0]} not found "
+            raise UserError(f"{field}: {prefix}{missing[0]} not found "
                             "(give the path without .bin/.idx, as written by preprocess_data.py)")
 
 
-def build_datasets(recipe: Recipe, tokenizer, train_samples: int, valid_samples: int,
-                   cache_dir: str):
-    """(train, valid) GPTDatasets of `seq_length`-token samples."""
-    data = recipe.data
-    check_prefixes(data.prefixes)
-    config = GPTDatasetConfig(
+def check_validation_sets(data) -> None:
+    """Every named validation set's files, before anything starts."""
+    for name, prefixes in data.validation_sets.items():
+        check_prefixes(prefixes, f"data.validation.{name}")
+
+
+def _dataset_config(recipe: Recipe, tokenizer, cache_dir: str, **blend) -> GPTDatasetConfig:
+    return GPTDatasetConfig(
         random_seed=recipe.train.seed,
         sequence_length=recipe.model.seq_length,
-        blend=(list(data.prefixes), list(data.weights) if data.weights else None),
-        split=data.split,
         path_to_cache=cache_dir,
         tokenizer=tokenizer,
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
         create_attention_mask=False,
+        **blend,
     )
+
+
+def build_datasets(recipe: Recipe, tokenizer, train_samples: int, valid_samples: int,
+                   cache_dir: str):
+    """(train, valid) GPTDatasets of `seq_length`-token samples; valid is None when
+    `data.split` gives validation no share."""
+    data = recipe.data
+    check_prefixes(data.prefixes)
+    config = _dataset_config(
+        recipe, tokenizer, cache_dir,
+        blend=(list(data.prefixes), list(data.weights) if data.weights else None),
+        split=data.split)
+    wanted = valid_samples if data.split_validates else None
     train, valid, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [train_samples, valid_samples, None], lambda: True, config).build()
-    if train is None or (valid_samples and valid is None):
+        GPTDataset, [train_samples, wanted, None], lambda: True, config).build()
+    if train is None or (wanted and valid is None):
         raise UserError(f"data.split: {data.split!r} leaves no documents for training or "
                         "validation; give both a share")
     return train, valid
+
+
+def build_validation_sets(recipe: Recipe, tokenizer, samples: int, cache_dir: str) -> dict:
+    """{name: GPTDataset} of `data.validation`: each set's prefixes read whole (their
+    documents in megatron's validation order), `samples` samples each."""
+    sets = {}
+    for name, prefixes in recipe.data.validation_sets.items():
+        check_prefixes(prefixes, f"data.validation.{name}")
+        config = _dataset_config(recipe, tokenizer, cache_dir,
+                                 blend_per_split=[None, (prefixes, None), None])
+        _, valid, _ = BlendedMegatronDatasetBuilder(
+            GPTDataset, [None, samples, None], lambda: True, config).build()
+        if valid is None:
+            raise UserError(f"data.validation.{name}: no documents in {', '.join(prefixes)}")
+        sets[name] = valid
+    return sets
 
 
 class StepBatches:

@@ -67,8 +67,9 @@ def main():
         if step == args.preempt_at and int(os.environ["RANK"]) == 0:
             os.kill(os.getpid(), signal.SIGUSR1)
 
-    tokenizer = (StopDuringStartup if args.preempt_at < 0 else VocabOnlyTokenizer)(
-        recipe.model.vocab_size)
+    # A real tokenizer when the recipe names one (in-loop lm-eval reads text).
+    tokenizer = None if recipe.data.tokenizer_model else \
+        (StopDuringStartup if args.preempt_at < 0 else VocabOnlyTokenizer)(recipe.model.vocab_size)
     result = run(recipe, tokenizer, on_step)
     if args.rss:  # the last entry: after the run's final save
         peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
