@@ -11,6 +11,7 @@ sampling keeps lm-eval's own seed, so every evaluation sees the same prompts.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib.util
 from pathlib import Path
@@ -44,7 +45,8 @@ class DownstreamEval:
         if config.include_path and not Path(config.include_path).is_dir():
             raise ConfigError(f"lm_eval.include_path: {config.include_path} is not a folder")
         self = cls(recipe, tokenizer)
-        on_rank0(self._check_tasks)
+        with _no_dataset_bars():
+            on_rank0(self._check_tasks)
         return self
 
     def due(self, step: int, last_step: int) -> bool:
@@ -93,15 +95,31 @@ class DownstreamEval:
         limit = self.config.limit
         model.eval()
         try:
-            results = lm_eval.simple_evaluate(
-                model=lm, tasks=list(self.config.tasks), task_manager=self._task_manager(),
-                num_fewshot=self.config.num_fewshot,
-                limit=int(limit) if limit is not None and limit >= 1 else limit,
-                bootstrap_iters=0, log_samples=False, random_seed=None,
-                numpy_random_seed=None, torch_random_seed=None)
+            with _no_dataset_bars():
+                results = lm_eval.simple_evaluate(
+                    model=lm, tasks=list(self.config.tasks),
+                    task_manager=self._task_manager(), num_fewshot=self.config.num_fewshot,
+                    limit=int(limit) if limit is not None and limit >= 1 else limit,
+                    bootstrap_iters=0, log_samples=False, random_seed=None,
+                    numpy_random_seed=None, torch_random_seed=None)
         finally:
             model.train()
         return scores(results) if results is not None else {}
+
+
+@contextlib.contextmanager
+def _no_dataset_bars():
+    """Hugging Face datasets' progress bars off while a task loads (a training log is no
+    terminal), as they were afterwards."""
+    import datasets
+
+    was_off = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_off:
+            datasets.enable_progress_bars()
 
 
 def scores(results: dict) -> dict[str, dict[str, float]]:

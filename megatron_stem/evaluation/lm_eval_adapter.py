@@ -72,6 +72,9 @@ class MegatronLM(TemplateLM):
     def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
         return self.tokenizer.encode(string)  # never adds special tokens, as the export's
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        return super().loglikelihood(requests, disable_tqdm=True)  # a bar in a training log
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
         """[(log p(continuation | context), continuation is the greedy decode)] for
         requests ((context, continuation) text, context ids, continuation ids)."""
