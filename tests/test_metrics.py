@@ -136,3 +136,32 @@ def test_mfu_is_training_flops_over_peak():
     at_peak = 2 * 1e12 / training_flops_per_token(model)  # tokens/s two 1 TFLOP/s devices do
     assert mfu(at_peak, model, 1e12, 2) == pytest.approx(1.0)
     assert mfu(at_peak / 4, model, 1e12, 2) == pytest.approx(0.25)
+
+
+def test_wandb_mistakes_are_one_line_naming_the_field(world1, tmp_path, monkeypatch):
+    """A W&B project without the package is refused before anything starts; a W&B that
+    does not start (no login, not offline) stops every rank in one line."""
+    import importlib.util
+
+    from megatron_stem.config import MetricsConfig
+    from megatron_stem.errors import ConfigError
+    from megatron_stem.training import wandb_run
+
+    recipe = Recipe(model=tiny_model(), train=TrainConfig(save_dir=str(tmp_path)),
+                    metrics=MetricsConfig(wandb_project="stem"))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"^metrics\.wandb_project: 'stem' needs the wandb "
+                                          r"package, which is not installed \(pip install"):
+        wandb_run.check_installed(recipe)
+    monkeypatch.undo()
+    wandb_run.check_installed(recipe)
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no netrc, no login
+    with pytest.raises(ConfigError, match=r"^metrics\.wandb_project: W&B did not start \(No "
+                                          r"API key configured\. .*\); log in \(wandb login, "
+                                          r"or WANDB_API_KEY\) or log locally with "
+                                          r"WANDB_MODE=offline$"):
+        Metrics(recipe, first_step=1)

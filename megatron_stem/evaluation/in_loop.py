@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -27,7 +28,6 @@ class DownstreamEval:
     def __init__(self, recipe: Recipe, tokenizer):
         self.config, self.model_config = recipe.lm_eval, recipe.model
         self.tokenizer = tokenizer
-        self._tasks = None  # lm-eval's TaskManager, built at the first use on each rank
 
     @classmethod
     def start(cls, recipe: Recipe, tokenizer) -> "DownstreamEval | None":
@@ -52,15 +52,8 @@ class DownstreamEval:
     def due(self, step: int, last_step: int) -> bool:
         return step % self.config.interval == 0 or step == last_step
 
-    def _task_manager(self):
-        if self._tasks is None:
-            from lm_eval.tasks import TaskManager
-
-            self._tasks = TaskManager(include_path=self.config.include_path)
-        return self._tasks
-
     def _check_tasks(self) -> None:
-        manager = self._task_manager()
+        manager = _task_manager(self.config.include_path)
         for name in self.config.tasks:
             if name not in manager.all_tasks:
                 close = difflib.get_close_matches(name, manager.all_tasks, n=1)
@@ -98,13 +91,23 @@ class DownstreamEval:
             with _no_dataset_bars():
                 results = lm_eval.simple_evaluate(
                     model=lm, tasks=list(self.config.tasks),
-                    task_manager=self._task_manager(), num_fewshot=self.config.num_fewshot,
+                    task_manager=_task_manager(self.config.include_path),
+                    num_fewshot=self.config.num_fewshot,
                     limit=int(limit) if limit is not None and limit >= 1 else limit,
                     bootstrap_iters=0, log_samples=False, random_seed=None,
                     numpy_random_seed=None, torch_random_seed=None)
         finally:
             model.train()
         return scores(results) if results is not None else {}
+
+
+@functools.lru_cache(maxsize=None)
+def _task_manager(include_path: str | None):
+    """lm-eval's index of its task YAMLs and `include_path`'s (seconds to build: once per
+    process, at the first use on each rank)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path)
 
 
 @contextlib.contextmanager
