@@ -275,6 +275,13 @@ class DataConfig:
     tokenizer_type: Literal["sentencepiece", "huggingface"] = "sentencepiece"
     tokenizer_model: str = ""
     cache_dir: Optional[str] = None  # megatron's sample index cache; default <save_dir>/data_cache
+    # Document masking, megatron's GPTDatasetConfig flags (off, as in Megatron-LM): samples
+    # pack documents end to end, each closed by the tokenizer's EOD token. Restart RoPE
+    # positions at 0 after each EOD; keep attention inside each document (model/documents.py);
+    # leave out of the loss the prediction made at each EOD (the next document's first token).
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
     # Named validation sets, each one prefix or a list of them, read whole (no split) and
     # logged as valid/<name>/loss beside the split's valid/loss; a split with no valid
     # share ("100,0,0") leaves these only.

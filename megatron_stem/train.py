@@ -31,7 +31,7 @@ from megatron_stem.model import build_model
 from megatron_stem.parallel import destroy_distributed, device, init_distributed
 from megatron_stem.training.checkpointing import Checkpointer, finished_step
 from megatron_stem.training.data import (StepBatches, build_datasets, build_validation_sets,
-                                         check_prefixes, check_validation_sets)
+                                         check_prefixes, check_validation_sets, model_inputs)
 from megatron_stem.training.engine import build_engine, clip_coefficient
 from megatron_stem.training.lr import lr_at
 from megatron_stem.training.metrics import Metrics
@@ -77,7 +77,7 @@ def _mean_over_dp(value: float) -> float:
 
 
 def _token_mean_loss(model_or_engine, batch: dict) -> torch.Tensor:
-    per_token = model_or_engine(batch["tokens"], None, None, labels=batch["labels"])
+    per_token = model_or_engine(batch["tokens"], labels=batch["labels"], **model_inputs(batch))
     mask = batch["loss_mask"].float()
     return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
 

@@ -13,6 +13,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_stem import cpu_compat
 from megatron_stem.config import ModelConfig, ParallelConfig, TableStorageConfig
+from megatron_stem.model import documents
 from megatron_stem.model.host_copy import HostCopy
 from megatron_stem.model.spec import block_spec
 from megatron_stem.model.table import StemTable
@@ -33,6 +34,11 @@ class StemGPTModel(GPTModel):
 
     Consequence for callers: pass `input_ids` on every pipeline stage, not only the first.
 
+    Documents (model/documents.py): `position_ids` [b, s], when given, are the positions
+    RoPE rotates by (megatron's GPTModel ignores them for RoPE and uses the index in the
+    row); `packed_seq_params` from `documents.document_boundaries` keep attention inside
+    each document. Like `input_ids`, both go to every pipeline stage.
+
     `stem_ids` (optional) are the ids the STEM layers look up instead of `input_ids`, with
     the text unchanged: [b, s] for every STEM layer, or [num_layers, b, s] with one row per
     (global) layer, so an edit can reach chosen layers only (knowledge editing).
@@ -49,9 +55,14 @@ class StemGPTModel(GPTModel):
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
                     packed_seq_params=None, padding_mask=None):
         stem_ids = input_ids if padding_mask is None else padding_mask
+        if documents.is_document_mask(packed_seq_params):
+            packed_seq_params = None  # only attention reads them (megatron would size RoPE by them)
         out = super()._preprocess(input_ids, position_ids, decoder_input, inference_context,
                                   packed_seq_params, padding_mask=None)
-        return (*out[:5], stem_ids, *out[6:])
+        rotary = out[1]
+        if position_ids is not None and rotary is not None and inference_context is None:
+            rotary = documents.rotary_at(rotary, position_ids)
+        return (out[0], rotary, *out[2:5], stem_ids, *out[6:])
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig,

@@ -11,8 +11,9 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-from megatron_stem.config import Recipe
+from megatron_stem.config import DataConfig, Recipe
 from megatron_stem.errors import UserError
+from megatron_stem.model.documents import document_boundaries
 
 
 def check_prefixes(prefixes: list[str], field: str = "data.prefixes") -> None:
@@ -31,16 +32,29 @@ def check_validation_sets(data) -> None:
         check_prefixes(prefixes, f"data.validation.{name}")
 
 
+def check_documents(data: DataConfig, tokenizer) -> None:
+    """Document masking finds documents by their EOD token: the tokenizer must have one."""
+    if tokenizer.eod is not None:
+        return
+    for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
+        if getattr(data, name):
+            raise UserError(f"data.{name}: the tokenizer {data.tokenizer_model} has no "
+                            "end-of-document token to find documents by")
+
+
 def _dataset_config(recipe: Recipe, tokenizer, cache_dir: str, **blend) -> GPTDatasetConfig:
+    """megatron's dataset config of `recipe` over a blend (`blend` and `split`, or
+    `blend_per_split`), the same samples for training and every validation set."""
+    data = recipe.data
     return GPTDatasetConfig(
         random_seed=recipe.train.seed,
         sequence_length=recipe.model.seq_length,
         path_to_cache=cache_dir,
         tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
+        reset_position_ids=data.reset_position_ids,
+        reset_attention_mask=data.reset_attention_mask,
+        eod_mask_loss=data.eod_mask_loss,
+        create_attention_mask=False,  # a dense [s, s] mask; documents go to attention instead
         **blend,
     )
 
@@ -51,6 +65,7 @@ def build_datasets(recipe: Recipe, tokenizer, train_samples: int, valid_samples:
     `data.split` gives validation no share."""
     data = recipe.data
     check_prefixes(data.prefixes)
+    check_documents(data, tokenizer)
     config = _dataset_config(
         recipe, tokenizer, cache_dir,
         blend=(list(data.prefixes), list(data.weights) if data.weights else None),
@@ -85,6 +100,11 @@ class StepBatches:
 
     Step `s` uses global samples [s x G, (s+1) x G) (G = global batch), split into
     contiguous per-rank slices and then micro-batches. The data position is just the step.
+
+    A micro-batch holds `tokens`, `labels`, `loss_mask` ([b, s]) and, as the dataset was
+    configured (`build_datasets`, document masking): `position_ids` [b, s] restarting in each
+    document, and `documents`, the document boundaries for attention (`PackedSeqParams`,
+    computed here on the host so the step never waits for the device to find them).
     """
 
     def __init__(self, dataset, micro_batch_size: int, global_batch_size: int,
@@ -92,6 +112,10 @@ class StepBatches:
         self.dataset, self.mbs, self.gbs = dataset, micro_batch_size, global_batch_size
         self.per_rank = global_batch_size // dp_size
         self.dp_rank, self.device = dp_rank, device
+        config = dataset.config  # what the dataset's samples hold
+        self.keys = ("tokens", "labels", "loss_mask") + (
+            ("position_ids",) if config.reset_position_ids else ())
+        self.eod = config.tokenizer.eod if config.reset_attention_mask else None
 
     def microbatches(self, step: int) -> list[dict]:
         first = step * self.gbs + self.dp_rank * self.per_rank
@@ -100,6 +124,16 @@ class StepBatches:
 
     def _collate(self, indices) -> dict:
         samples = [self.dataset[i % len(self.dataset)] for i in indices]
-        return {key: torch.stack([torch.as_tensor(np.asarray(s[key])) for s in samples])
-                .to(self.device, non_blocking=True)
-                for key in ("tokens", "labels", "loss_mask")}
+        host = {key: torch.stack([torch.as_tensor(np.asarray(s[key])) for s in samples])
+                for key in self.keys}
+        batch = {key: t.to(self.device, non_blocking=True) for key, t in host.items()}
+        if self.eod is not None:
+            batch["documents"] = document_boundaries(host["tokens"], self.eod, self.device)
+        return batch
+
+
+def model_inputs(batch: dict) -> dict:
+    """The model's arguments for a micro-batch besides its tokens: positions and document
+    boundaries when the data has them (StemGPTModel.forward)."""
+    return {"position_ids": batch.get("position_ids"),
+            "packed_seq_params": batch.get("documents")}

@@ -27,14 +27,40 @@ def tiny_model(stem_layers="1/2", **overrides) -> ModelConfig:
     return ModelConfig(**{**TINY, **overrides}, stem_layers=stem_layers)
 
 
-def microbatches(model: ModelConfig, count=2, batch=2, seed=0) -> list[dict]:
+def microbatches(model: ModelConfig, count=2, batch=2, seed=0,
+                 documents: bool = False) -> list[dict]:
+    """Random micro-batches; with `documents`, cut into documents by `eod_token(model)` at
+    random places, with megatron's reset position ids and the boundaries for attention."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(count):
-        seq = torch.randint(0, model.vocab_size, (batch, model.seq_length + 1), generator=g)
-        out.append({"tokens": seq[:, :-1], "labels": seq[:, 1:],
-                    "loss_mask": torch.ones(batch, model.seq_length)})
+        high = model.vocab_size - 1 if documents else model.vocab_size  # EOD: the last id
+        seq = torch.randint(0, high, (batch, model.seq_length + 1), generator=g)
+        mb = {"tokens": seq[:, :-1], "labels": seq[:, 1:],
+              "loss_mask": torch.ones(batch, model.seq_length)}
+        if documents:
+            ends = torch.rand(batch, model.seq_length, generator=g) < 0.15
+            mb["tokens"][ends] = eod_token(model)
+            mb.update(document_inputs(mb["tokens"], eod_token(model)))
+        out.append(mb)
     return out
+
+
+def eod_token(model: ModelConfig) -> int:
+    return model.vocab_size - 1
+
+
+def document_inputs(tokens: torch.Tensor, eod: int) -> dict:
+    """`position_ids` and `documents` of a [b, s] micro-batch, as the trainer's data gives
+    them with reset_position_ids and reset_attention_mask (megatron's own position rule)."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    from megatron_stem.model.documents import document_boundaries
+
+    positions = [_get_ltor_masks_and_position_ids(row, eod, True, True, False, False)[2]
+                 for row in tokens]
+    return {"position_ids": torch.stack(positions),
+            "documents": document_boundaries(tokens, eod)}
 
 
 def _gather_tp(param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:

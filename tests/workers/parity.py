@@ -2,6 +2,10 @@
 
     torchrun --nproc_per_node N parity.py --out DIR [--tp 2] [--pp 2] [--sp]
              [--recompute] [--load CKPT] [--save CKPT] [--stem 1/2] [--seed N] [--tied]
+             [--documents]
+
+`--documents`: micro-batches cut into documents, with reset positions and attention kept
+inside each document (model/documents.py).
 """
 
 import argparse
@@ -15,6 +19,7 @@ from common import full_named, microbatches, tiny_model
 from megatron_stem.config import ParallelConfig
 from megatron_stem.model import build_model
 from megatron_stem.parallel import destroy_distributed, init_distributed
+from megatron_stem.training.data import model_inputs
 from schedule import forward_backward
 
 
@@ -30,6 +35,7 @@ def main():
     ap.add_argument("--save")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--tied", action="store_true", help="tie input and output embeddings")
+    ap.add_argument("--documents", action="store_true")
     args = ap.parse_args()
 
     parallel = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp,
@@ -41,12 +47,12 @@ def main():
     if args.load:
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), args.load))
 
-    batches = microbatches(cfg)
+    batches = microbatches(cfg, documents=args.documents)
     result = {"params": full_named(model, model.config, "param")}
     if args.pp == 1:
         model.eval()
         with torch.no_grad():
-            logits = model(batches[0]["tokens"], None, None)
+            logits = model(batches[0]["tokens"], **model_inputs(batches[0]))
         result["logits"] = gather_from_tensor_model_parallel_region(logits)
         model.train()
     result["loss"] = forward_backward(model, batches)

@@ -1,7 +1,8 @@
 """One forward/backward over a list of micro-batches, on any TP/PP layout.
 
 Wraps megatron-core's pipeline schedules (1F1B under PP, plain loop otherwise). A
-micro-batch is a dict of [b, s] tensors: `tokens`, `labels`, `loss_mask`. Every pipeline
+micro-batch is a dict of [b, s] tensors: `tokens`, `labels`, `loss_mask` (and, with documents,
+`position_ids` and `documents`, as training/data.py makes them). Every pipeline
 stage receives the tokens: STEM layers on any stage look them up (see model/gpt.py).
 """
 
@@ -12,6 +13,8 @@ from functools import partial
 import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_stem.training.data import model_inputs
 
 
 def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
@@ -25,7 +28,7 @@ def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 
 def _forward_step(data_iterator, model):
     batch = next(data_iterator)
-    output = model(batch["tokens"], None, None, labels=batch["labels"])
+    output = model(batch["tokens"], labels=batch["labels"], **model_inputs(batch))
     return output, partial(_loss_func, batch["loss_mask"])
 
 

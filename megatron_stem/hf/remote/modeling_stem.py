@@ -8,6 +8,11 @@ A STEM layer's FFN is `down( silu(gate(x)) * table[token_id] )`: the table row o
 *input* token at each position replaces the up-projection. During cached decoding the
 positions of a forward are exactly the new tokens, so `input_ids` is all the lookup needs.
 
+Documents packed into one sequence (the training model's `data.reset_position_ids` and
+`data.reset_attention_mask`) are given as transformers gives them: `position_ids` that
+restart at each document. A forward without a past then keeps attention inside each
+document (a dense boolean mask, sized for evaluation rather than for 32k training).
+
 `stem_ids` (optional, as in the megatron model) are the ids the STEM layers look up instead
 of `input_ids`, with the text unchanged (knowledge editing): [b, S] for every STEM layer,
 or [num_hidden_layers, b, S] with one row per layer. S counts positions from the start of
@@ -296,21 +301,40 @@ class StemPreTrainedModel(PreTrainedModel):
             init.xavier_normal_(module.weight)
 
 
-def _attention_mask(attention_mask: Optional[torch.Tensor], batch: int, q_len: int,
-                    past: int, device: torch.device) -> Optional[torch.Tensor]:
+def _documents(position_ids: Optional[torch.Tensor], batch: int,
+               past: int) -> Optional[torch.Tensor]:
+    """[b, s] index of each token's document when `position_ids` restart within a row
+    (documents packed into one sequence, transformers' convention for packed inputs: a new
+    document wherever a position is not its predecessor's + 1), else None. Only a forward
+    without a past finds documents; tokens decoded after it attend to the whole prompt."""
+    if past or position_ids is None:
+        return None
+    position_ids = position_ids.expand(batch, -1)
+    diff = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    documents = (diff != 1).cumsum(-1)
+    return documents if bool(documents[:, -1].any()) else None
+
+
+def _attention_mask(attention_mask: Optional[torch.Tensor], documents: Optional[torch.Tensor],
+                    batch: int, q_len: int, past: int,
+                    device: torch.device) -> Optional[torch.Tensor]:
     """A boolean [b, 1, q, past+q] mask (True = attend), or None when SDPA's own causal
     mode (no past) or no mask at all (a single new token) is exact.
 
-    Padded keys are masked; a padded query still attends to itself, so its (unused) output
-    stays finite instead of turning the next layer's values into NaNs.
+    A token attends only within its document (`documents`, from `_documents`), as the
+    training model does with `data.reset_attention_mask`. Padded keys are masked; a padded
+    query still attends to itself, so its (unused) output stays finite instead of turning
+    the next layer's values into NaNs.
     """
     padded = attention_mask is not None and not bool(attention_mask.all())
-    if not padded and (past == 0 or q_len == 1):
+    if not padded and documents is None and (past == 0 or q_len == 1):
         return None
     kv_len = past + q_len
     q_pos = torch.arange(past, kv_len, device=device)[:, None]
     k_pos = torch.arange(kv_len, device=device)[None, :]
     mask = (k_pos <= q_pos)[None, None].expand(batch, 1, q_len, kv_len)
+    if documents is not None:  # no past: queries and keys are the same tokens
+        mask = mask & (documents[:, None, :, None] == documents[:, None, None, :])
     if padded:
         keys = attention_mask[:, None, None, -kv_len:].to(device=device, dtype=torch.bool)
         mask = mask & (keys | (k_pos == q_pos))
@@ -381,10 +405,11 @@ class StemModel(StemPreTrainedModel):
             self._stage_host_rows(lookup)
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         b, s = x.shape[:2]
+        documents = _documents(position_ids, b, past)
         if position_ids is None:
             position_ids = torch.arange(past, past + s, device=x.device)[None].expand(b, s)
         cos, sin = rotary_cos_sin(self.config, position_ids, x.dtype)
-        mask = _attention_mask(attention_mask, b, s, past, x.device)
+        mask = _attention_mask(attention_mask, documents, b, s, past, x.device)
         for i, layer in enumerate(self.layers):
             ids = lookup[i] if lookup is not None and lookup.dim() == 3 else lookup
             x = layer(x, ids, cos, sin, mask, cache if use_cache else None)
