@@ -149,9 +149,9 @@ def _data(recipe: Recipe, tokenizer) -> tuple[StepBatches, dict[str | None, list
 def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     """Train per `recipe`; returns {"losses": [per step run here], "valid": [the split's
     validation losses, else the first named set's], "valid_sets": {name: [...]},
-    "downstream": [{"step": s, "scores": {task: {metric: value}}}] (rank 0), "step": last step, "preempted":
-    bool}. `on_step(step)` is called after every step (for tools and tests: fault
-    injection)."""
+    "downstream": [{"step": s, "scores": {task: {metric: value}}}] (rank 0), "step": last
+    step, "preempted": bool}. `on_step(step)` is called after every step (for tools and
+    tests: fault injection)."""
     train, opt = recipe.train, recipe.optimizer
     check_gpus_visible()
     if recipe.parallel.pipeline_parallel > 1:
@@ -160,7 +160,8 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
                           "parallelism (checkpoints saved this way load at any PP)")
     finished = finished_step(recipe)
     if finished is not None:
-        return {"losses": [], "valid": [], "step": finished, "preempted": False}
+        return {"losses": [], "valid": [], "valid_sets": {}, "downstream": [],
+                "step": finished, "preempted": False}
     check_prefixes(recipe.data.prefixes)
     check_validation_sets(recipe.data)
     check_wandb_installed(recipe)
