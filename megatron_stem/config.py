@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -75,6 +76,8 @@ def _coerce(value: Any, typ: Any, where: str):
         raise ConfigError(f"{where}: {' or '.join(errors)}")
     if origin is Literal:
         choices = typing.get_args(typ)
+        if all(type(c) is int for c in choices) and isinstance(value, (str, float)):
+            value = _number(value, int, where)  # `zero_stage: "2"` as for an int field
         if value not in choices:
             raise ConfigError(f"{where}: expected one of {list(choices)}, got {value!r}")
         return value
@@ -92,14 +95,8 @@ def _coerce(value: Any, typ: Any, where: str):
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true/false, got {value!r}")
         return value
-    if typ is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if typ is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
+    if typ in (int, float):
+        return _number(value, typ, where)
     if typ is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
@@ -107,6 +104,30 @@ def _coerce(value: Any, typ: Any, where: str):
     if typ is Any:
         return value
     raise TypeError(f"unsupported config type {typ!r} at {where}")  # a bug in a dataclass
+
+
+def _number(value: Any, typ: type, where: str):
+    """A numeric field's value as people type it: whatever Python's `float()` (or `int()`)
+    reads, as a number or a string (YAML 1.1 reads `3e-4` and `1e5` as strings; so does an
+    override), and for an int field also a float that is integral (`1e5`, `2.0`). A bool
+    is never a number."""
+    number = value
+    if isinstance(value, str):
+        for parse in ((int, float) if typ is int else (float,)):
+            try:
+                number = parse(value)
+                break
+            except ValueError:
+                continue
+    if not isinstance(number, bool):
+        if typ is float and isinstance(number, (int, float)):
+            return float(number)
+        if typ is int and isinstance(number, int):
+            return number
+        if typ is int and isinstance(number, float) and number.is_integer():
+            return int(number)
+    kind = "an integer" if typ is int else "a number"
+    raise ConfigError(f"{where}: expected {kind}, got {value!r}")
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -308,6 +329,10 @@ class DataConfig:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+    # Named validation sets, each one prefix or a list of them, read whole (no split) and
+    # logged as valid/<name>/loss beside the split's valid/loss; a split with no valid
+    # share ("100,0,0") leaves these only.
+    validation: dict[str, Union[str, list[str]]] = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.blend is not None and not self.sources:
@@ -324,6 +349,26 @@ class DataConfig:
         parts = self.split.split(",")
         if len(parts) != 3 or not all(p.strip().replace(".", "", 1).isdigit() for p in parts):
             raise ConfigError(f"split: expected three numbers like '98,2,0', got {self.split!r}")
+        for name, prefixes in self.validation.items():
+            if not _SET_NAME.fullmatch(str(name)):
+                raise ConfigError(f"validation.{name}: a set's name is letters, digits, "
+                                  "'_', '-' or '.' (it names the set's TensorBoard tags)")
+            if not prefixes:
+                raise ConfigError(f"validation.{name}: no prefixes given")
+        if not self.split_validates and not self.validation:
+            raise ConfigError(f"split: {self.split!r} has no validation share and "
+                              "data.validation names no sets: nothing to validate on")
+
+    @property
+    def split_validates(self) -> bool:
+        """Whether `split` gives a share of the training prefixes' documents to validation."""
+        return float(self.split.split(",")[1]) > 0
+
+    @property
+    def validation_sets(self) -> dict[str, list[str]]:
+        """`validation` with every set as a list of prefixes."""
+        return {name: [p] if isinstance(p, str) else list(p)
+                for name, p in self.validation.items()}
 
     def training_blend(self) -> tuple[list[str], Optional[list[float]]]:
         """(prefixes, weights or None for equal ones) of the training data, from either form."""
@@ -337,6 +382,9 @@ class DataConfig:
             return f"data.blend: {self.blend}: sources[{index}].prefix" if self.blend \
                 else f"data.sources[{index}].prefix"
         return "data.prefixes"
+
+
+_SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 @dataclass
@@ -496,6 +544,67 @@ class GuardConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """A window of steps traced by torch's profiler (training/profiling.py), `profile`."""
+
+    start_step: int = 0  # the window's first step (steps count from 1); 0 = no trace
+    steps: int = 3  # steps in the window
+    ranks: list[int] = field(default_factory=lambda: [0])  # global ranks that trace
+    # On a GPU, also the CUDA allocator's history over the window, saved as a snapshot
+    # (pytorch.org/memory_viz); the trace then carries memory events too.
+    memory_snapshot: bool = True
+    record_shapes: bool = False  # input shapes of each op (a larger trace)
+    with_stack: bool = False  # Python stacks of each op (a much larger trace)
+    dir: Optional[str] = None  # default <train.save_dir>/profile
+
+    def validate(self) -> None:
+        if self.start_step < 0:
+            raise ConfigError(f"start_step: must be >= 0 (0 = off), got {self.start_step}")
+        if self.steps < 1:
+            raise ConfigError(f"steps: must be >= 1, got {self.steps}")
+        if self.start_step and not self.ranks:
+            raise ConfigError("ranks: no rank traces; name at least one (e.g. [0])")
+
+    @property
+    def last_step(self) -> int:
+        return self.start_step + self.steps - 1
+
+
+@dataclass
+class MetricsConfig:
+    """Where the scalars logged to TensorBoard go too (training/metrics.py), `metrics`."""
+
+    # Weights & Biases: a project name turns it on (rank 0 logs, the resolved recipe as the
+    # run's config; a resumed run continues the same W&B run). WANDB_MODE=offline works.
+    wandb_project: Optional[str] = None
+    wandb_entity: Optional[str] = None  # a team; default: your W&B default entity
+    wandb_name: Optional[str] = None  # the run's display name; default: save_dir's name
+
+
+@dataclass
+class LmEvalConfig:
+    """lm-evaluation-harness on the live model every `interval` steps (evaluation/),
+    `lm_eval`. Tasks scored by log-likelihood: multiple choice, loglikelihood, rolling."""
+
+    interval: int = 0  # 0 = off
+    tasks: list[str] = field(default_factory=list)  # task (or group) names
+    include_path: Optional[str] = None  # a folder of task YAMLs, e.g. over local files
+    num_fewshot: Optional[int] = None  # default: each task's own
+    limit: Optional[float] = None  # documents per task (below 1: a fraction); default all
+    batch_size: int = 8  # sequences per forward on each data-parallel rank
+
+    def validate(self) -> None:
+        for name in ("interval", "batch_size"):
+            if getattr(self, name) < (0 if name == "interval" else 1):
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.interval and not self.tasks:
+            raise ConfigError(f"tasks: none given to run every {self.interval} steps "
+                              "(lm_eval.interval=0 turns it off)")
+        if self.limit is not None and self.limit <= 0:
+            raise ConfigError(f"limit: must be positive, got {self.limit}")
+
+
+@dataclass
 class Recipe:
     """A whole recipe file: the model, its layout, and how to train it."""
 
@@ -506,9 +615,16 @@ class Recipe:
     tables: TableStorageConfig = field(default_factory=TableStorageConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    lm_eval: LmEvalConfig = field(default_factory=LmEvalConfig)
 
     def validate(self) -> None:
         self.parallel.check_model(self.model)
+        if self.profile.start_step and self.profile.last_step > self.train.steps:
+            raise ConfigError(f"profile.start_step: the window, steps {self.profile.start_step}"
+                              f"-{self.profile.last_step}, ends after the last step "
+                              f"(train.steps={self.train.steps})")
         tables = self.tables
         if tables.cache_rows > self.model.vocab_size:
             raise ConfigError(f"tables.cache_rows: {tables.cache_rows} rows exceed "

@@ -13,7 +13,7 @@ from megatron.core import parallel_state, tensor_parallel
 
 from megatron_stem import cpu_compat
 from megatron_stem.config import ParallelConfig
-from megatron_stem.errors import ConfigError
+from megatron_stem.errors import ConfigError, UserError
 
 
 def _env_int(*names: str, default: int) -> int:
@@ -94,3 +94,25 @@ def destroy_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def on_rank0(fn):
+    """`fn()` on global rank 0 only, its failure raised on every rank: a mistake rank 0
+    finds (a W&B login, a task that will not load) stops the whole job at once instead of
+    leaving the other ranks waiting in their next collective. One broadcast. Returns
+    `fn()` on rank 0, None on the others."""
+    result, failure = None, None
+    if dist.get_rank() == 0:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 (sent to the other ranks, then raised)
+            failure = e
+    message = [None if failure is None else
+               (isinstance(failure, UserError), str(failure))]
+    dist.broadcast_object_list(message, src=0)
+    if failure is not None:
+        raise failure
+    if message[0] is not None:
+        user, text = message[0]
+        raise (UserError if user else RuntimeError)(text if user else f"rank 0: {text}")
+    return result

@@ -8,7 +8,8 @@ preemption, `--signal`) saves a checkpoint and exits with `EXIT_REQUEUE`.
 
 This module is the loop (`run`); what surrounds it has rooms of its own: save and resume
 `training/checkpointing.py`, the stop signal `training/stop.py`, logging and MFU
-`training/metrics.py`.
+`training/metrics.py`, phase timing and the profiler window `training/profiling.py`,
+downstream evaluation `evaluation/in_loop.py`.
 """
 
 from __future__ import annotations
@@ -25,16 +26,21 @@ from megatron.core import parallel_state as ps
 from megatron_stem import quiet
 from megatron_stem.config import Recipe, load_recipe
 from megatron_stem.errors import ConfigError, UserError, cli
+from megatron_stem.evaluation.in_loop import DownstreamEval
 from megatron_stem.model import build_model
 from megatron_stem.parallel import destroy_distributed, device, init_distributed
 from megatron_stem.training.checkpointing import Checkpointer, finished_step
-from megatron_stem.training.data import StepBatches, build_datasets, check_prefixes, model_inputs
+from megatron_stem.training.data import (StepBatches, build_datasets, build_validation_sets,
+                                         check_training_data, check_validation_sets,
+                                         model_inputs)
 from megatron_stem.training.engine import build_engine
 from megatron_stem.training.guard import Diverged, Guard
 from megatron_stem.training.lr import lr_at
 from megatron_stem.training.metrics import Metrics
+from megatron_stem.training.profiling import UNTIMED, ProfilerWindow, check_ranks
 from megatron_stem.training.stop import EXIT_REQUEUE, StopSignal
 from megatron_stem.training.update import Outcome, Update
+from megatron_stem.training.wandb_run import check_installed as check_wandb_installed
 
 
 def _gpus_given(environ) -> str | None:
@@ -91,24 +97,28 @@ def _token_mean_loss(model_or_engine, batch: dict) -> torch.Tensor:
 
 
 def train_step(update: Update, microbatches: list[dict], lr: float,
-               next_ids: list[torch.Tensor] | None = None) -> tuple[float, Outcome]:
+               next_ids: list[torch.Tensor] | None = None,
+               timer=UNTIMED) -> tuple[float, Outcome]:
     """Forward/backward every micro-batch, then the step's update of backbone and tables
     (training/update.py; `next_ids`: the next step's token ids, whose rows an overlapped
     table update puts in place first). Host-resident tables are handed the step's
-    micro-batches first (their rows are staged one micro-batch ahead). Returns the
-    data-parallel mean loss and the update's outcome."""
+    micro-batches first (their rows are staged one micro-batch ahead). `timer` times the
+    phases (training/profiling.py). Returns the data-parallel mean loss and the update's
+    outcome."""
     engine = update.engine
-    update.tables.stage(microbatches)
+    with timer.phase("tables_stage"):
+        update.tables.stage(microbatches)
     total = 0.0
     for i, batch in enumerate(microbatches):
-        loss = _token_mean_loss(engine, batch)
-        engine.backward(loss)
-        total += loss.item()
+        with timer.phase("forward_backward"):
+            loss = _token_mean_loss(engine, batch)
+            engine.backward(loss)
+            total += loss.item()
         if i + 1 < len(microbatches):
             engine.step()  # DeepSpeed's micro-step; the last one is the update's
     local = total / len(microbatches)
     loss = _mean_over_dp(local)
-    return loss, update.apply(lr, loss, next_ids, local_loss=local)
+    return loss, update.apply(lr, loss, next_ids, local_loss=local, timer=timer)
 
 
 @torch.no_grad()
@@ -132,25 +142,30 @@ def _load_tokenizer(recipe: Recipe):
     return tokenizer
 
 
-def _data(recipe: Recipe, tokenizer) -> tuple[StepBatches, list[dict]]:
-    """This data-parallel rank's training batches (by step) and validation micro-batches."""
+def _data(recipe: Recipe, tokenizer) -> tuple[StepBatches, dict[str | None, list[dict]]]:
+    """This data-parallel rank's training batches (by step) and validation micro-batches
+    of each set: None the split's, then the named sets of `data.validation`."""
     train = recipe.train
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per_eval = train.eval_iters * train.micro_batch_size * dp
+    cache = recipe.data.cache_dir or str(Path(train.save_dir) / "data_cache")
     train_ds, valid_ds = build_datasets(
-        recipe, tokenizer, train.steps * train.global_batch_size, per_eval,
-        recipe.data.cache_dir or str(Path(train.save_dir) / "data_cache"))
+        recipe, tokenizer, train.steps * train.global_batch_size, per_eval, cache)
     batches = StepBatches(train_ds, train.micro_batch_size, train.global_batch_size,
                           dp_rank, dp, device())
-    valid = StepBatches(valid_ds, train.micro_batch_size, per_eval, dp_rank, dp,
-                        device()).microbatches(0)
+    sets = {None: valid_ds} if valid_ds is not None else {}
+    sets.update(build_validation_sets(recipe, tokenizer, per_eval, cache))
+    valid = {name: StepBatches(ds, train.micro_batch_size, per_eval, dp_rank, dp,
+                               device()).microbatches(0) for name, ds in sets.items()}
     return batches, valid
 
 
 def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
-    """Train per `recipe`; returns {"losses": [per step run here], "valid": [...],
-    "step": last step, "preempted": bool}. `on_step(step)` is called after every step
-    (for tools and tests: profiling, fault injection)."""
+    """Train per `recipe`; returns {"losses": [per step run here], "valid": [the split's
+    validation losses, else the first named set's], "valid_sets": {name: [...]},
+    "downstream": [{"step": s, "scores": {task: {metric: value}}}] (rank 0), "step": last
+    step, "preempted": bool}. `on_step(step)` is called after every step (for tools and
+    tests: fault injection)."""
     train, opt = recipe.train, recipe.optimizer
     check_gpus_visible()
     if train.deterministic:
@@ -161,13 +176,18 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
                           "parallelism (checkpoints saved this way load at any PP)")
     finished = finished_step(recipe)
     if finished is not None:
-        return {"losses": [], "valid": [], "step": finished, "preempted": False}
-    check_prefixes(recipe.data)
+        return {"losses": [], "valid": [], "valid_sets": {}, "downstream": [],
+                "step": finished, "preempted": False}
+    check_training_data(recipe.data)
+    check_validation_sets(recipe.data)
+    check_wandb_installed(recipe)
     tokenizer = tokenizer or _load_tokenizer(recipe)
     stop_signal = StopSignal()  # before anything slow (see there)
     init_distributed(recipe.parallel, seed=train.seed)
     tables = None
     try:
+        check_ranks(recipe.profile, dist.get_world_size())
+        downstream = DownstreamEval.start(recipe, tokenizer)  # None: lm_eval.interval 0
         checkpointer = Checkpointer(recipe)  # where the run starts; says any fallback
         model = build_model(recipe.model, recipe.parallel, seed=train.seed,
                             tables=recipe.tables)
@@ -180,17 +200,23 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
         metrics.start(checkpointer.origin())
         guard = Guard(recipe.guard, checkpointer.keep_before, checkpointer.rewind,
                       lambda at, line: metrics.log(at, {}, line))
+        profiler = ProfilerWindow(recipe.profile, dist.get_rank(), train.save_dir)
 
-        result = {"losses": [], "valid": [], "step": step, "preempted": False}
+        result = {"losses": [], "valid": [], "valid_sets": {name: [] for name in valid
+                                                            if name is not None},
+                  "downstream": [], "step": step, "preempted": False}
         upcoming = batches.microbatches(step) if step < train.steps else None
         while step < train.steps:
+            profiler.before(step + 1)
             lr = lr_at(step, opt, train.steps)
             current = upcoming
             # The next step's batch, now: an overlapped table update puts its rows first.
             upcoming = batches.microbatches(step + 1) if step + 1 < train.steps else None
             loss, outcome = train_step(update, current, lr,
-                                       upcoming and [mb["tokens"] for mb in upcoming])
+                                       upcoming and [mb["tokens"] for mb in upcoming],
+                                       metrics.timer)
             step += 1
+            profiler.after(step)
             result["losses"].append(loss)
             if on_step is not None:
                 on_step(step)
@@ -201,9 +227,8 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
                 metrics.error(str(e))
                 e.reported = True
                 raise
-            if step % train.eval_interval == 0 or step == train.steps:
-                result["valid"].append(evaluate(model, valid, tables))
-                metrics.valid(step, result["valid"][-1])
+            with metrics.paused():
+                _evaluations(step, recipe, model, tables, valid, downstream, metrics, result)
             stop = stop_signal.requested()
             checkpointer.save(step, force=stop)
             if stop:
@@ -213,12 +238,32 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
                 stop_signal.report()
                 break
         result["step"] = step
+        profiler.close()  # a stop inside the window: what it traced
         metrics.close()
         return result
     finally:
         if tables is not None:
             tables.close()  # the host tables' staging threads
         destroy_distributed()
+
+
+def _evaluations(step, recipe, model, tables, valid, downstream, metrics, result) -> None:
+    """The validation sets every `train.eval_interval` steps, lm-eval every
+    `lm_eval.interval` steps, each also at the last step."""
+    last = recipe.train.steps
+    if step % recipe.train.eval_interval == 0 or step == last:
+        first = next(iter(valid))  # the split's set when it has one
+        for name, microbatches in valid.items():
+            loss = evaluate(model, microbatches, tables)
+            metrics.valid(step, loss, name)
+            if name is not None:
+                result["valid_sets"][name].append(loss)
+            if name == first:
+                result["valid"].append(loss)
+    if downstream is not None and downstream.due(step, last):
+        scores = downstream.run(model, tables)
+        metrics.downstream(step, scores)
+        result["downstream"].append({"step": step, "scores": scores})
 
 
 @cli

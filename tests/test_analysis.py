@@ -107,7 +107,7 @@ def test_analysis_of_a_stem_model_and_its_dense_control(facts_models, text_file)
 
 
 def test_cli_writes_the_report_and_plots(facts_models, text_file, tmp_path, capsys):
-    from test_hf import tool
+    from conftest import tool
 
     out = tmp_path / "analysis"
     rc = tool("analyze")(["--checkpoint", str(facts_models.stem.checkpoint),

@@ -26,7 +26,10 @@ def test_placements(placement, expected):
 
 @pytest.mark.parametrize("data, message", [
     ({"hiden_size": 64}, r"model\.hiden_size: unknown field \(did you mean 'hidden_size'\?\)"),
-    ({"num_layers": "16"}, r"model\.num_layers: expected an integer, got '16'"),
+    ({"num_layers": "sixteen"}, r"model\.num_layers: expected an integer, got 'sixteen'"),
+    ({"num_layers": 16.5}, r"model\.num_layers: expected an integer, got 16\.5"),
+    ({"num_layers": True}, r"model\.num_layers: expected an integer, got True"),
+    ({"init_std": "small"}, r"model\.init_std: expected a number, got 'small'"),
     ({"untie_embeddings": 1}, r"model\.untie_embeddings: expected true/false"),
     ({"stem_layers": "1/4"}, r"model\.stem_layers: expected one of .* or expected a list"),
     ({"stem_layers": [0, 16]}, r"model\.stem_layers: index 16 is out of range for num_layers=16"),
@@ -152,3 +155,61 @@ def test_the_table_sections_docs_show_are_the_defaults():
     shown = yaml.safe_load(block)
     assert from_dict(TableOptimizerConfig, shown["optimizer"]["tables"]) == TableOptimizerConfig()
     assert from_dict(TableStorageConfig, shown["tables"]) == TableStorageConfig()
+
+
+def test_numbers_as_people_type_them_in_recipes_and_overrides(tmp_path):
+    """YAML 1.1 (PyYAML) reads `3e-4` and `1e5` as strings, and so does an override's
+    value: a numeric field takes what Python's float()/int() take, an int field an
+    integral float; bools and strings stay strict."""
+    (tmp_path / "mine.yaml").write_text(
+        "inherit: " + str(ROOT / "recipes" / "tiny_cpu.yaml") + "\n"
+        "optimizer: {lr: 3e-4, eps: 1E-8, zero_stage: '2'}\n"
+        "train: {steps: 1e3, log_interval: '10', peak_flops: 1_000e12}\n")
+    recipe = load_recipe(tmp_path / "mine.yaml")
+    assert (recipe.optimizer.lr, recipe.optimizer.eps, recipe.optimizer.zero_stage) == \
+        (3e-4, 1e-8, 2)
+    assert (recipe.train.steps, recipe.train.log_interval, recipe.train.peak_flops) == \
+        (1000, 10, 1e15)
+    assert type(recipe.train.steps) is int and type(recipe.optimizer.lr) is float
+    recipe = load_recipe(tmp_path / "mine.yaml",
+                         ["optimizer.lr=6e-4", "train.steps=2.0e3", "train.seed=1e1",
+                          "optimizer.tables.lr_mult=2", "data.weights=[1, 5e-1]",
+                          "data.prefixes=[a, b]"])
+    assert (recipe.optimizer.lr, recipe.train.steps, recipe.train.seed) == (6e-4, 2000, 10)
+    assert recipe.optimizer.tables.lr_mult == 2.0 and recipe.data.weights == [1.0, 0.5]
+    for override, message in [
+            ("train.steps=25e-2", "expected an integer, got '25e-2'"),
+            ("train.steps=2.5", "expected an integer, got 2.5"),
+            ("train.steps=inf", "expected an integer, got 'inf'"),
+            ("optimizer.lr=fast", "expected a number, got 'fast'"),
+            ("optimizer.lr=true", "expected a number, got True"),
+            ("optimizer.zero_stage=3e0", "expected one of [1, 2], got 3"),
+            ("model.untie_embeddings=1", "expected true/false, got 1"),
+            ("model.untie_embeddings='true'", "expected true/false, got 'true'"),
+            ("train.save_dir=2.5", "expected a string, got 2.5"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load_recipe(tmp_path / "mine.yaml", [override])
+        assert str(e.value) == f"command line: {override}: {message}"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["lm_eval.interval=100"], f"{ROOT / 'recipes' / 'tiny_cpu.yaml'}: lm_eval.tasks: none "
+                               "given to run every 100 steps (lm_eval.interval=0 turns it off)"),
+    (["lm_eval.tasks=[hellaswag]", "lm_eval.interval=-1"],
+     "command line: lm_eval.interval=-1: must be positive, got -1"),
+    (["data.validation={a/b: x}"], "command line: data.validation={a/b: x}: "
+                                   "data.validation.a/b: a set's name is letters, digits, '_', "
+                                   "'-' or '.' (it names the set's TensorBoard tags)"),
+    (["data.split=100,0,0"], "command line: data.split=100,0,0: '100,0,0' has no validation "
+                             "share and data.validation names no sets: nothing to validate on"),
+])
+def test_the_long_run_sections_refuse_what_cannot_run(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_recipe(ROOT / "recipes" / "tiny_cpu.yaml", overrides)
+    assert str(e.value) == message
+    recipe = load_recipe(ROOT / "recipes" / "tiny_cpu.yaml",
+                         ["data.split=100,0,0", "data.validation={a: x, b: [y, z]}",
+                          "lm_eval.tasks=[hellaswag]"])  # interval 0: off, tasks kept
+    assert recipe.data.validation_sets == {"a": ["x"], "b": ["y", "z"]}
+    assert not recipe.data.split_validates and recipe.lm_eval.interval == 0

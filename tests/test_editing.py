@@ -20,6 +20,7 @@ from megatron_stem.editing.remap import (TokenRemap, bake_writes, build_stem_ids
                                          find_occurrences, span_plan)
 from megatron_stem.editing.resolve import resolve
 from megatron_stem.editing.spec import Inject, Remap, load_edits, parse_edits
+from conftest import tool
 from megatron_stem.errors import UserError
 from workers import facts
 
@@ -400,12 +401,6 @@ def test_baked_edits_saved_as_a_checkpoint_and_as_an_hf_folder(stem, hf, tok, fa
         assert (saved["hf"] / name).read_bytes() == (hf.source / name).read_bytes()
     with pytest.raises(UserError, match="already exists"):
         hf.save(saved["hf"])
-
-
-def tool(name: str):
-    from test_hf import tool as load_tool
-
-    return load_tool(name)
 
 
 def test_cli_shows_edits_writes_the_model_and_evaluates(facts_models, exported, tmp_path,

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, subprocess_env, torchrun
+from conftest import (LM_EVAL_DOCS, ROOT, run_lm_eval_cli, subprocess_env, tool, torchrun,
+                      write_local_lm_eval_tasks)
 from megatron_stem import checkpoint
 from megatron_stem.errors import UserError
 from megatron_stem.hf.export import export
@@ -298,16 +299,6 @@ TEXTS = ["the stem table and the token", "  hugging face, export!", "alpha\nbeta
          "model of the gamma delta."]
 
 
-def tool(name: str):
-    """A CLI's main(), imported from tools/ as a user would run it."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
-
-
 @pytest.fixture(scope="module")
 def sp_model(tmp_path_factory) -> Path:
     """A tiny unigram SentencePiece model: the kind LlamaTokenizer would get wrong."""
@@ -480,36 +471,32 @@ def test_import_refuses_foreign_or_incomplete_hf_folders(hf_sources, tmp_path):
 # lm-evaluation-harness, offline
 # ---------------------------------------------------------------------------------------
 
-def readme_task_yaml(data: Path) -> str:
-    """docs/export.md's local lm-eval task, verbatim, over `data`."""
-    readme = (ROOT / "docs" / "export.md").read_text()
-    yaml_text = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
-    return yaml_text.replace("/data/my_task.jsonl", str(data))
-
-
 def test_lm_eval_harness_runs_on_the_export_offline(cli_export, tmp_path):
     """docs/export.md's command and local task (a YAML over a JSONL file), with the hub and
-    datasets offline: nothing is downloaded."""
-    import importlib.util
-
-    if importlib.util.find_spec("lm_eval") is None:
-        pytest.skip("lm-eval is not installed (pip install -r requirements.txt)")
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    docs = [{"question": f"the {w} and the", "choices": ["stem table", "model token", "alpha"],
-             "answer": i % 3} for i, w in enumerate(["alpha", "beta", "gamma", "delta", "stem"])]
-    (tasks / "data.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (tasks / "my_local_task.yaml").write_text(readme_task_yaml(tasks / "data.jsonl"))
-    env = subprocess_env(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-                         HF_HOME=str(tmp_path / "hf_home"), PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
-        [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-         f"pretrained={cli_export},trust_remote_code=True,stem_tables_on_cpu=True",
-         "--include_path", str(tasks), "--tasks", "my_local_task", "--device", "cpu",
-         "--batch_size", "4", "--output_path", str(tmp_path / "results")],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    (results_file,) = (tmp_path / "results").rglob("results_*.json")
-    results = json.loads(results_file.read_text())
-    assert results["n-samples"]["my_local_task"]["effective"] == len(docs)
-    assert 0.0 <= results["results"]["my_local_task"]["acc,none"] <= 1.0
+    datasets offline: nothing is downloaded, and lm-eval's accuracies are the ones computed
+    here from the export's own log-likelihoods: each document's answer is the choice with
+    the largest log p(" " + choice | question) (acc), or per character of the choice
+    (acc_norm), each from one forward of the HF model (lm-eval at batch size 1: the same
+    bf16 arithmetic)."""
+    tasks = write_local_lm_eval_tasks(tmp_path / "tasks")
+    results = run_lm_eval_cli(cli_export, tasks, ["my_local_task"], tmp_path, batch_size=1)
+    assert results["n-samples"]["my_local_task"]["effective"] == len(LM_EVAL_DOCS)
+    model = load_hf(cli_export, dtype="auto", stem_tables_on_cpu=True)  # as lm-eval loads it
+    tok = AutoTokenizer.from_pretrained(cli_export, trust_remote_code=True)
+    right = right_norm = 0
+    for doc in LM_EVAL_DOCS:
+        context = tok(doc["question"])["input_ids"]
+        scores = []
+        for choice in doc["choices"]:
+            continuation = tok(doc["question"] + " " + choice)["input_ids"][len(context):]
+            with torch.no_grad():
+                logits = model(torch.tensor([(context + continuation)[:-1]])).logits[0]
+            logprobs = torch.log_softmax(logits, -1)[len(context) - 1:]
+            scores.append(float(logprobs[torch.arange(len(continuation)),
+                                         torch.tensor(continuation)].sum()))
+        right += max(range(3), key=lambda i: scores[i]) == doc["answer"]
+        right_norm += max(range(3), key=lambda i: scores[i] / len(doc["choices"][i])) == \
+            doc["answer"]
+    measured = results["results"]["my_local_task"]
+    assert measured["acc,none"] == right / len(LM_EVAL_DOCS)
+    assert measured["acc_norm,none"] == right_norm / len(LM_EVAL_DOCS)

@@ -138,10 +138,10 @@ def test_a_data_recipe_and_prefixes_together_are_refused(tmp_path):
 
 
 def test_a_missing_token_file_names_its_source_in_the_data_recipe():
-    from megatron_stem.training.data import check_prefixes
+    from megatron_stem.training.data import check_training_data
 
     with pytest.raises(UserError) as e:
-        check_prefixes(recipe("stem_1b_midtrain").data)
+        check_training_data(recipe("stem_1b_midtrain").data)
     assert str(e.value).startswith(
         "data.blend: recipes/data/midtrain_llama3.yaml: sources[0].prefix: "
         "data/olmo_mix/llama3/train_text_document.bin not found")

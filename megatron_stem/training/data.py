@@ -5,6 +5,7 @@ fixed order that depends only on the step, so a resumed run sees exactly the sam
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -16,17 +17,28 @@ from megatron_stem.errors import UserError
 from megatron_stem.model.documents import document_boundaries
 
 
-def check_prefixes(data: DataConfig) -> None:
+def check_prefixes(prefixes: list[str], field: Callable[[int], str]) -> None:
+    """Every token file of `prefixes` exists; `field(i)` names the recipe field of the i-th."""
+    for i, prefix in enumerate(prefixes):
+        missing = [ext for ext in (".bin", ".idx") if not Path(prefix + ext).is_file()]
+        if missing:
+            raise UserError(f"{field(i)}: {prefix}{missing[0]} not found "
+                            "(give the path without .bin/.idx, as written by preprocess_data.py)")
+
+
+def check_training_data(data: DataConfig) -> None:
     """Every token file the training data names exists (the error names the recipe field)."""
     prefixes, _ = data.training_blend()
     if not prefixes:
         raise UserError("data.prefixes: no training data given (a list of .bin/.idx prefixes, "
                         "or data.blend: a data recipe)")
-    for i, prefix in enumerate(prefixes):
-        missing = [ext for ext in (".bin", ".idx") if not Path(prefix + ext).is_file()]
-        if missing:
-            raise UserError(f"{data.field_of(i)}: {prefix}{missing[0]} not found "
-                            "(give the path without .bin/.idx, as written by preprocess_data.py)")
+    check_prefixes(prefixes, data.field_of)
+
+
+def check_validation_sets(data: DataConfig) -> None:
+    """Every named validation set's files, before anything starts."""
+    for name, prefixes in data.validation_sets.items():
+        check_prefixes(prefixes, lambda i, name=name: f"data.validation.{name}")
 
 
 def check_documents(data: DataConfig, tokenizer) -> None:
@@ -39,33 +51,59 @@ def check_documents(data: DataConfig, tokenizer) -> None:
                             "end-of-document token to find documents by")
 
 
-def build_datasets(recipe: Recipe, tokenizer, train_samples: int, valid_samples: int,
-                   cache_dir: str):
-    """(train, valid) GPTDatasets of `seq_length`-token samples."""
+def _dataset_config(recipe: Recipe, tokenizer, cache_dir: str, **blend) -> GPTDatasetConfig:
+    """megatron's dataset config of `recipe` over a blend (`blend` and `split`, or
+    `blend_per_split`), the same samples for training and every validation set."""
     data = recipe.data
-    check_prefixes(data)
-    check_documents(data, tokenizer)
-    config = GPTDatasetConfig(
+    return GPTDatasetConfig(
         random_seed=recipe.train.seed,
         sequence_length=recipe.model.seq_length,
-        blend=data.training_blend(),
-        split=data.split,
         path_to_cache=cache_dir,
         tokenizer=tokenizer,
         reset_position_ids=data.reset_position_ids,
         reset_attention_mask=data.reset_attention_mask,
         eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=False,  # a dense [s, s] mask; documents go to attention instead
+        **blend,
     )
-    # No test split is read; megatron takes a size of None as "all of it", which it allows
-    # only for an unweighted blend.
-    test_samples = None if config.blend[1] is None else 0
+
+
+def build_datasets(recipe: Recipe, tokenizer, train_samples: int, valid_samples: int,
+                   cache_dir: str):
+    """(train, valid) GPTDatasets of `seq_length`-token samples; valid is None when
+    `data.split` gives validation no share."""
+    data = recipe.data
+    check_training_data(data)
+    check_documents(data, tokenizer)
+    config = _dataset_config(recipe, tokenizer, cache_dir, blend=data.training_blend(),
+                             split=data.split)
+    # A split not read (the test split; validation when `split` gives it no share) asks for
+    # no samples: megatron takes a size of None as "all of it", which it allows only for an
+    # unweighted blend, and 0 otherwise.
+    unread = None if config.blend[1] is None else 0
+    wanted = valid_samples if data.split_validates else unread
     train, valid, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [train_samples, valid_samples, test_samples], lambda: True, config).build()
-    if train is None or (valid_samples and valid is None):
+        GPTDataset, [train_samples, wanted, unread], lambda: True, config).build()
+    if train is None or (wanted and valid is None):
         raise UserError(f"data.split: {data.split!r} leaves no documents for training or "
                         "validation; give both a share")
     return train, valid
+
+
+def build_validation_sets(recipe: Recipe, tokenizer, samples: int, cache_dir: str) -> dict:
+    """{name: GPTDataset} of `data.validation`: each set's prefixes read whole (their
+    documents in megatron's validation order), `samples` samples each."""
+    sets = {}
+    for name, prefixes in recipe.data.validation_sets.items():
+        check_prefixes(prefixes, lambda i, name=name: f"data.validation.{name}")
+        config = _dataset_config(recipe, tokenizer, cache_dir,
+                                 blend_per_split=[None, (prefixes, None), None])
+        _, valid, _ = BlendedMegatronDatasetBuilder(
+            GPTDataset, [None, samples, None], lambda: True, config).build()
+        if valid is None:
+            raise UserError(f"data.validation.{name}: no documents in {', '.join(prefixes)}")
+        sets[name] = valid
+    return sets
 
 
 class StepBatches:

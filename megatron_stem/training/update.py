@@ -29,6 +29,8 @@ from typing import Optional
 
 import torch
 
+from megatron_stem.training.profiling import UNTIMED
+
 
 @dataclass
 class GradNorms:
@@ -120,27 +122,31 @@ class Update:
 
     def apply(self, lr: float, loss: float,
               next_ids: Optional[list[torch.Tensor]] = None,
-              local_loss: Optional[float] = None) -> Outcome:
+              local_loss: Optional[float] = None, timer=UNTIMED) -> Outcome:
         """The update of a step whose data-parallel mean loss is `loss` (`local_loss`: this
         rank's); `next_ids`: the next step's token ids (an overlapped table update puts
-        their rows first)."""
+        their rows first); `timer` times its phases (training/profiling.py)."""
         engine = self.engine
         if not engine.is_gradient_accumulation_boundary():
             raise RuntimeError("Update.apply: not at DeepSpeed's gradient accumulation "
                                "boundary (train.global_batch_size / micro-batches mismatch)")
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
-        self.tables.sync_grads()
+        with timer.phase("tables_sync"):
+            self.tables.sync_grads()
         self.hook.loss_finite = math.isfinite(loss)
         calls = self.hook.calls
-        engine.step()
+        with timer.phase("backbone_step"):
+            engine.step()
         outcome = self._outcome(self.hook.calls - calls, not engine.was_step_applied(),
                                 math.isfinite(loss))
-        if outcome.applied:
-            self.tables.step(lr, clip_coefficient(outcome.norms.total, self.clip_grad),
-                             next_ids)
-        else:
-            self.tables.skip()
+        with timer.phase("tables_step"):
+            if outcome.applied:
+                self.tables.step(lr, clip_coefficient(outcome.norms.total, self.clip_grad),
+                                 next_ids)
+            else:
+                self.tables.skip()
+        if not outcome.applied:
             outcome.ranks = _whose(loss if local_loss is None else local_loss,
                                    self.tables.local_grads_finite())
         return outcome

@@ -111,8 +111,9 @@ def main():
         delay_the_rest(args.delay_rest)
     if args.plant_nan:
         plant_nan(args.plant_nan)
-    tokenizer = (StopDuringStartup if args.preempt_at < 0 else VocabOnlyTokenizer)(
-        recipe.model.vocab_size)
+    # A real tokenizer when the recipe names one (in-loop lm-eval reads text).
+    tokenizer = None if recipe.data.tokenizer_model else \
+        (StopDuringStartup if args.preempt_at < 0 else VocabOnlyTokenizer)(recipe.model.vocab_size)
     result = run(recipe, tokenizer, on_step)
     if args.rss:  # the last entry: after the run's final save
         peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
