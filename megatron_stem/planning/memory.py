@@ -7,7 +7,7 @@ recipe's sequence, micro-batch, dtype, ZeRO stage and recompute, and the table o
 (placement, partition, where the tables' optimizer state lives). Activations follow
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models")
 with flash-style attention, so without its 5as/h term: 34 bytes x hidden per token per
-layer in a 16-bit dtype (`step.ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN`), of which 24 are
+layer in a 16-bit dtype (`workload.ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN`), of which 24 are
 split over tensor parallelism and the other 10 only with sequence parallelism.
 
 One rank, one micro-batch in flight (the trainer does not pipeline), at the peak of its
@@ -47,9 +47,9 @@ from megatron_stem.config import Recipe
 from megatron_stem.planning import rows as row_model
 from megatron_stem.planning import traffic
 from megatron_stem.planning.hardware import Hardware
-from megatron_stem.planning.step import (ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN,
-                                         BACKBONE_OPTIMIZER_BYTES_PER_PARAM, Cluster,
-                                         expected_rows)
+from megatron_stem.planning.backbone import BACKBONE_OPTIMIZER_BYTES_PER_PARAM
+from megatron_stem.planning.workload import (ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN, Cluster,
+                                             expected_rows)
 from megatron_stem.planning.traffic import FP32, Layout, TableShape
 
 # Of Korthikanti's 34 bytes x hidden per token per layer, those tensor parallelism splits
