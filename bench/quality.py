@@ -1,7 +1,7 @@
 """The paper's quality comparison at sizes a CPU can train: dense and STEM 1/3, 1/2 and full
 at two model sizes, on the same tokens, through the real trainer (torchrun, 2 ranks).
 
-    nice -n 15 python bench/quality.py [--sizes 128x4,256x6] [--steps 600] [--docs]
+    nice -n 15 python bench/quality.py [--sizes 64x4,128x4] [--steps 600] [--docs]
     python bench/quality.py --quick        # toy sizes, a few steps: the pipeline only
 
 Every run trains `recipes/tiny_cpu.yaml` (its optimizer, batch, sequence length and seed)
@@ -294,7 +294,7 @@ def write_docs(report: str) -> None:
 @cli
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="128x4,256x6",
+    ap.add_argument("--sizes", default="64x4,128x4",
                     help="model sizes, hidden x layers, comma-separated")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"of {', '.join(VARIANTS)} (dense and the STEM placements)")
