@@ -231,18 +231,19 @@ def boundary_segments(update, steps: list) -> list[float]:
 
     apply = update.apply
 
+    out = []
+
     def timed_apply(*args, **kwargs):
+        if "lookup" in marks:  # the segment that ended in this step's first lookup
+            out.append(marks["lookup"] - marks["backward_end"])
         marks.clear()
         marks["backward_end"] = now()
         return apply(*args, **kwargs)
 
     hook = first.register_forward_hook(looked_up)
     update.apply = timed_apply
-    out = []
     try:
         for mbs, next_mbs in zip(steps, steps[1:]):
-            if "lookup" in marks:
-                out.append(marks["lookup"] - marks["backward_end"])
             train_step(update, mbs, 1e-3, [mb["tokens"] for mb in next_mbs])
     finally:
         hook.remove()
