@@ -52,6 +52,19 @@ def toy_data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def train(toy_data, tmp_path_factory):
+    """`train(nproc, *overrides, ...)`: a run's result, its log and folders. A plain run
+    (its own folder, nothing planted or stopped) is run once per module and shared by the
+    tests that ask for the same one: its folders are read-only to them."""
+    done = {}
+
+    def shared(nproc, *overrides, name="run", **options):
+        if options:
+            return run(nproc, *overrides, name=name, **options)
+        key = (nproc, overrides)
+        if key not in done:
+            done[key] = run(nproc, *overrides, name=name)
+        return done[key]
+
     def run(nproc, *overrides, name="run", save_dir=None, preempt_at=0, rss=False,
             delay_rest=0.0, plant_nan=0, exit_code=0):
         folder = tmp_path_factory.mktemp(name)
@@ -64,7 +77,7 @@ def train(toy_data, tmp_path_factory):
                        *overrides, exit_code=exit_code)
         result = json.loads(out.read_text()) if out.is_file() else {}
         return {**result, "folder": folder, "save_dir": save_dir, "log": log}
-    return run
+    return shared
 
 
 @pytest.fixture(scope="module")
@@ -130,9 +143,9 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(train, refer
     assert second["losses"] == reference["lazy"]["losses"][2:]
 
 
+# Each kernel and update mode once; DeepSpeed's kernel with the dense parameters offloaded.
 @pytest.mark.parametrize("kernel, update, offload", [
-    ("torch", "lazy", False), ("torch", "dense", False),
-    ("deepspeed", "lazy", False), ("deepspeed", "dense", True)])
+    ("torch", "lazy", False), ("deepspeed", "dense", True)])
 def test_dp2_killed_and_resumed_is_bit_exact(train, tmp_path, kernel, update, offload):
     """Both table kernels (DeepSpeed's CPU Adam keeps running beta powers that a resumed
     kernel must get back), both update semantics, and DeepSpeed's own CPU Adam for the
@@ -156,11 +169,10 @@ def test_dp2_killed_and_resumed_is_bit_exact(train, tmp_path, kernel, update, of
         assert written.keys() == {"0", "1"} and min(written.values()) > 0.3 * max(written.values())
 
 
-# Each kernel, each update mode and each partition at least once (the suite's time: the
-# full 2 x 2 x 2 adds three minutes and no path).
+# Each kernel, each update mode and each partition once (the suite's time: the full
+# 2 x 2 x 2 adds four minutes and no path).
 @pytest.mark.parametrize("kernel, update, partition", [
-    ("torch", "lazy", "sharded"), ("deepspeed", "dense", "sharded"),
-    ("deepspeed", "lazy", "replicated")])
+    ("torch", "lazy", "sharded"), ("deepspeed", "dense", "replicated")])
 def test_host_tables_match_device_tables_bit_for_bit(train, kernel, update, partition):
     """Both placements sum a row's gradients the same way (training/row_grads.py), compute
     the same grad norm and run the same update: the same losses and checkpoints, bit for
@@ -377,23 +389,23 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(sp_model):
 ])
 def test_sharded_state_at_dp4_across_a_resume_matches_the_replicated_reference(
         train, tmp_path, placement, update, extra):
-    """The table state sharded over four ranks, stopped at step 15 and resumed, gives the
-    30-step loss curve of one rank keeping the whole state (the replicated path, itself
+    """The table state sharded over four ranks, stopped at step 6 and resumed, gives the
+    12-step loss curve of one rank keeping the whole state (the replicated path, itself
     tested against torch's AdamW and a row-wise Adam) to 1e-6; each rank holds and updates
     a quarter of it (the trainer's `tables/*` counters)."""
-    options = [f"optimizer.tables.update={update}", "train.steps=30", "train.eval_interval=30"]
-    reference = train(1, *options, "tables.partition=replicated", name="replicated30")
+    options = [f"optimizer.tables.update={update}", "train.steps=12", "train.eval_interval=12"]
+    reference = train(1, *options, "tables.partition=replicated", name="replicated12")
     sharded = [f"tables.placement={placement}", "tables.partition=sharded", *extra, *options]
-    first = train(4, *sharded, save_dir=tmp_path, preempt_at=15, name="sharded_first")
+    first = train(4, *sharded, save_dir=tmp_path, preempt_at=6, name="sharded_first")
     second = train(4, *sharded, save_dir=tmp_path, name="sharded_resumed")
-    assert first["step"] == 15 and second["step"] == 30
+    assert first["step"] == 6 and second["step"] == 12
     assert_same_curve(first["losses"] + second["losses"], reference["losses"], rel=1e-6)
     elements = 2 * TINY["vocab_size"] * TINY["ffn_hidden_size"]  # two tables
     log = tensorboard_scalars(tmp_path / "tensorboard")
     # Two fp32 moments (the fp32 CPU table is its own master).
     assert set(log["tables/cpu_state_bytes"].values()) == {2 * 4 * elements / 4}
     adam = list(log["tables/adam_elements"].values())
-    assert len(adam) == 30
+    assert len(adam) == 12
     if update == "dense":
         assert set(adam) == {elements / 4}
     else:  # the shard's rows touched by any rank
@@ -404,7 +416,7 @@ def test_a_replicated_checkpoint_resumes_sharded_on_two_ranks(train, tmp_path):
     whatever the partition and the data-parallel size: a run saved with the whole state on
     one rank resumes with it sharded over two, on the uninterrupted curve."""
     options = ["optimizer.tables.update=lazy", "train.steps=12", "train.eval_interval=12"]
-    reference = train(1, *options, "tables.partition=replicated", name="whole12")
+    reference = train(1, *options, "tables.partition=replicated", name="whole12")  # shared
     first = train(1, *options, "tables.partition=replicated", save_dir=tmp_path,
                   preempt_at=6, name="whole_first")
     second = train(2, *options, "tables.partition=sharded", save_dir=tmp_path,
@@ -413,15 +425,16 @@ def test_a_replicated_checkpoint_resumes_sharded_on_two_ranks(train, tmp_path):
     assert_same_curve(first["losses"] + second["losses"], reference["losses"], rel=1e-6)
 
 
-@pytest.mark.parametrize("update", ["dense", "lazy"])
-def test_update_overlapped_with_the_next_step_gives_the_same_curve(train, update):
+@pytest.mark.parametrize("update, zero", [("lazy", 1), ("dense", 2)])
+def test_update_overlapped_with_the_next_step_gives_the_same_curve(train, update, zero):
     """`tables.overlap: next_step` updates the rows the next step reads first and the rest
     while it runs: the same arithmetic, so the loss curve of the serial update, bit for
     bit, with the state sharded over two ranks. The rest is held back until the next
     forward has surely run, so a row it needed but did not wait for would show."""
-    serial = train(2, f"optimizer.tables.update={update}", name="serial")
-    overlapped = train(2, f"optimizer.tables.update={update}", "tables.overlap=next_step",
-                       name="overlapped", delay_rest=0.3)
+    options = [f"optimizer.tables.update={update}", f"optimizer.zero_stage={zero}"]
+    serial = train(2, *options, name="dp2")  # test_data_parallel_2_matches_1's run
+    overlapped = train(2, *options, "tables.overlap=next_step", name="overlapped",
+                       delay_rest=0.3)
     assert overlapped["losses"] == serial["losses"]
     assert overlapped["valid"] == serial["valid"]
 
@@ -464,12 +477,13 @@ BF16 = ["train.dtype=bf16", "optimizer.tables.update=dense", "train.steps=8",
 @pytest.fixture(scope="module")
 def bf16_replicated(train):
     return {dp: train(dp, *BF16, "tables.partition=replicated", name=f"bf16_replicated{dp}")
-            for dp in (2, 4)}
+            for dp in (2,)}
 
 
+# The recipe's overlap with each place of the state (DP4 sharding and `overlap: none` are
+# the fp32 tests' too: the suite's time).
 @pytest.mark.parametrize("dp, overlap, state", [
-    (2, "next_step", "cpu"), (2, "none", "accelerator"),
-    (4, "next_step", "accelerator"), (4, "none", "cpu")])
+    (2, "next_step", "cpu"), (2, "next_step", "accelerator")])
 def test_the_1b_table_path_in_bf16_follows_the_replicated_reference(
         train, bf16_replicated, dp, overlap, state):
     result = train(dp, *BF16, "tables.partition=sharded", f"tables.overlap={overlap}",
