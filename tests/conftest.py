@@ -77,6 +77,7 @@ def tool_main(path: str):
     name = "_tool_" + re.sub(r"\W", "_", path)  # tools/x.py and bench/x.py may share a stem
     spec = importlib.util.spec_from_file_location(name, ROOT / path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import does: dataclasses look their module up there
     spec.loader.exec_module(module)
     return module.main
 
