@@ -93,9 +93,9 @@ def build_datasets(recipe: Recipe, tokenizer, train_samples: int, valid_samples:
 def build_validation_sets(recipe: Recipe, tokenizer, samples: int, cache_dir: str) -> dict:
     """{name: GPTDataset} of `data.validation`: each set's prefixes read whole (their
     documents in megatron's validation order), `samples` samples each."""
+    check_validation_sets(recipe.data)
     sets = {}
     for name, prefixes in recipe.data.validation_sets.items():
-        check_prefixes(prefixes, lambda i, name=name: f"data.validation.{name}")
         config = _dataset_config(recipe, tokenizer, cache_dir,
                                  blend_per_split=[None, (prefixes, None), None])
         _, valid, _ = BlendedMegatronDatasetBuilder(
