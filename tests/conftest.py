@@ -37,12 +37,7 @@ def subprocess_env(**extra: str) -> dict:
 
 def tool(name: str):
     """A CLI's main(), imported from tools/ as a user would run it."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return tool_main(f"tools/{name}.py")
 
 
 def tensorboard_steps(folder, tag: str) -> list[int]:
