@@ -3,7 +3,6 @@
 import subprocess
 import sys
 
-import torch
 
 from megatron_stem import lazy_compile  # before megatron-core: its import installs the hook
 

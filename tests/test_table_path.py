@@ -2,6 +2,7 @@
 collective is handed, the overlapped update's streams, device and exit, and the layouts
 the code accepts (training/tables/)."""
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -14,7 +15,8 @@ import torch
 from conftest import subprocess_env
 from megatron_stem.errors import ConfigError
 from megatron_stem.training.tables import comm as table_comm
-from megatron_stem.training.tables.comm import Comm, Devices, host_tracking, is_host
+from megatron_stem.training.tables.comm import (Comm, Devices, HostStaging, host_tracking,
+                                                is_host)
 from megatron_stem.training.tables.layout import TableLayout
 from megatron_stem.training.tables.overlap import Job, Overlap
 
@@ -107,10 +109,10 @@ class RecordingStreams:
     def hand_over(self, tensors):
         self.calls.append(("hand_over", threading.current_thread().name, list(tensors)))
 
+    @contextlib.contextmanager
     def running(self):
-        import contextlib
-
-        return contextlib.nullcontext()
+        self.calls.append(("running", threading.current_thread().name))
+        yield
 
     def mark(self):
         self.calls.append(("mark", threading.current_thread().name))
@@ -119,8 +121,45 @@ class RecordingStreams:
     def wait(self, event):
         self.calls.append(("wait", threading.current_thread().name, event))
 
+    def synchronize(self, event):
+        self.calls.append(("synchronize", threading.current_thread().name, event))
+
     def join(self):
         self.calls.append(("join", threading.current_thread().name))
+
+
+class TwoMemories(Devices):
+    """A GPU node's two memories as far as `HostStaging` can tell on a CPU: separate, with
+    unpinned host buffers (pinning needs an accelerator)."""
+
+    @property
+    def separate(self) -> bool:
+        return True
+
+    def host_empty(self, shape, dtype=torch.float32, pin=False):
+        return super().host_empty(shape, dtype)
+
+
+def test_the_gradients_cross_to_the_host_on_a_side_stream_into_reused_buffers():
+    """CPU state's gradient copies: queued on the side stream after the kernels that made
+    them (the tensor recorded there), so DeepSpeed's step does not queue behind them; the
+    host waits for them before it reads; the next step's copy reuses the buffer."""
+    streams = RecordingStreams()
+    staging = HostStaging(TwoMemories(torch.device("cpu")), streams)
+    grads = torch.arange(12.0).view(3, 4)
+    out = staging.copy("table 0", grads)
+    assert streams.calls == [("hand_over", "MainThread", [grads]),
+                             ("running", "MainThread"), ("mark", "MainThread")]
+    staging.wait()
+    assert streams.calls[-1] == ("synchronize", "MainThread", "event")
+    assert torch.equal(out, grads) and out.data_ptr() != grads.data_ptr()
+    staging.wait()  # nothing queued since: no second wait
+    assert len(streams.calls) == 4
+    smaller = torch.ones(2, 4)
+    again = staging.copy("table 0", smaller)
+    staging.wait()
+    assert again.data_ptr() == out.data_ptr() and torch.equal(again, smaller)
+    assert staging.copy("table 1", grads).data_ptr() != out.data_ptr()
 
 
 def _tables_step(monkeypatch):
@@ -128,10 +167,10 @@ def _tables_step(monkeypatch):
     (the streams, the optimizer's jobs as it made them)."""
     import torch.nn.functional as F
 
-    from megatron_stem.training.tables import overlap as overlap_module
+    from megatron_stem.training.tables import streams as streams_module
     from megatron_stem.training.tables.optimizer import TableOptimizer
 
-    monkeypatch.setattr(overlap_module, "NoStreams", RecordingStreams)
+    monkeypatch.setattr(streams_module, "NoStreams", RecordingStreams)
     table = torch.nn.Parameter(torch.randn(40, 8, generator=torch.Generator().manual_seed(0)))
     opt = TableOptimizer([("t", table)], TableLayout(overlap="next_step", kernel="torch",
                                                      update="lazy"), 1.0, 0.1, (0.9, 0.95))
@@ -140,8 +179,8 @@ def _tables_step(monkeypatch):
     opt.grad_norm_sq()
     launched = []
     launch = opt.overlap.launch
-    opt.overlap.launch = lambda first, rest: (launched.append((first, rest)),
-                                              launch(first, rest))[-1]
+    opt.overlap.launch = lambda stages, rest: (launched.append((stages, rest)),
+                                               launch(stages, rest))[-1]
     opt.step(1e-2, next_ids=[torch.tensor([[5, 9]])])
     opt.finish()
     return opt.overlap.streams, launched
@@ -152,11 +191,11 @@ def test_every_tensor_the_jobs_read_is_handed_to_their_stream_first(monkeypatch)
     each is recorded there (so the caching allocator keeps its memory) before the worker
     starts, from the main thread; the worker sets the main thread's device; the compute
     stream waits for the worker's events and, at `finish`, for its whole stream."""
-    streams, ((first, rest),) = _tables_step(monkeypatch)
+    streams, ((stages, rest),) = _tables_step(monkeypatch)
     handed = [c for c in streams.calls if c[0] == "hand_over"]
     assert len(handed) == 1 and handed[0][1] == "MainThread"
     recorded = {id(t) for t in handed[0][2]}
-    jobs = [job for _, job in first] + rest
+    jobs = [job for stage in stages for _, job in stage] + rest
     for job in jobs:
         # Every per-step tensor the job's closure reads: rows, their gradient rows, grads.
         closure = [c.cell_contents for c in job.run.__closure__ or ()]
@@ -170,20 +209,60 @@ def test_every_tensor_the_jobs_read_is_handed_to_their_stream_first(monkeypatch)
 def test_the_worker_takes_the_device_the_main_thread_had(monkeypatch):
     """CUDA's current device is per thread (0 in a new one): the worker is given the main
     thread's, not `current_device()` asked inside it."""
-    from megatron_stem.training.tables import overlap as overlap_module
+    from megatron_stem.training.tables import streams as streams_module
 
     made, set_in = [], []
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: made.append(device) or "stream")
     monkeypatch.setattr(torch.cuda, "set_device",
                         lambda d: set_in.append((threading.current_thread().name, d)))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # a new thread's answer
-    streams = overlap_module.CudaStreams(torch.device("cuda", 3))
+    streams = streams_module.CudaStreams(torch.device("cuda", 3))
     streams.enter_worker()
     threading.Thread(target=streams.enter_worker, name="worker").start()
     time.sleep(0.2)
     assert made == [torch.device("cuda", 3)]
     assert set_in == [("MainThread", torch.device("cuda", 3)),
                       ("worker", torch.device("cuda", 3))]
+
+
+def test_the_first_micro_batch_waits_only_for_its_own_rows():
+    """`next_step`: the next step's first lookup (and a replay of it, the same ids) waits
+    for stage 0 only; a lookup of another micro-batch's ids for every stage."""
+    overlap = Overlap(None, CPU)
+    table = torch.nn.Parameter(torch.zeros(4, 2))
+    later = threading.Event()
+    done = []
+    overlap.launch([[(table, Job("first micro-batch", lambda comm: done.append(0)))],
+                    [(table, Job("later ones", lambda comm: (later.wait(5),
+                                                             done.append(1))))]],
+                   [Job("other rows", lambda comm: done.append(2))])
+    first_ids = torch.tensor([[1, 2]]).t()
+    table.pending_rows(first_ids)
+    assert done == [0]  # returned while the later micro-batches' rows are still held back
+    table.pending_rows(first_ids.t().t())  # a recompute of the same ids: the same stage
+    assert done == [0]
+    waited = threading.Thread(target=table.pending_rows, args=(torch.tensor([[3, 1]]).t(),))
+    waited.start()
+    time.sleep(0.2)
+    assert waited.is_alive()  # the second micro-batch waits for its rows
+    later.set()
+    waited.join(5)
+    overlap.finish()
+    assert done == [0, 1, 2] and table.pending_rows is None
+
+
+def test_the_next_steps_rows_are_staged_by_their_first_micro_batch():
+    """The rows any rank's next step reads, each tagged with the first micro-batch that
+    reads it (0: the first, 1: any later), through one exchange with the owners."""
+    from megatron_stem.training.tables.shards import RowShards, TrafficCounters, earliest
+
+    rows, first = earliest(torch.tensor([5, 3, 5, 9, 3]), torch.tensor([1, 1, 0, 1, 1]), 2)
+    assert rows.tolist() == [3, 5, 9] and first.tolist() == [1, 0, 1]
+    shards = RowShards(12, Comm(None, CPU, "dp"))
+    ids, stages = torch.tensor([2, 7, 11]), torch.tensor([1, 0, 1])
+    local, first = shards.needed_by_any(ids, TrafficCounters(), stages, 2)
+    assert sorted(zip(shards.ids_of(local).tolist(), first.tolist())) == \
+        [(2, 1), (7, 0), (11, 1)]
 
 
 def test_a_stuck_job_is_named_and_the_rank_exits_non_zero(tmp_path):

@@ -427,10 +427,12 @@ def test_a_replicated_checkpoint_resumes_sharded_on_two_ranks(train, tmp_path):
 
 @pytest.mark.parametrize("update, zero", [("lazy", 1), ("dense", 2)])
 def test_update_overlapped_with_the_next_step_gives_the_same_curve(train, update, zero):
-    """`tables.overlap: next_step` updates the rows the next step reads first and the rest
-    while it runs: the same arithmetic, so the loss curve of the serial update, bit for
-    bit, with the state sharded over two ranks. The rest is held back until the next
-    forward has surely run, so a row it needed but did not wait for would show."""
+    """`tables.overlap: next_step` updates the rows the next step's first micro-batch
+    reads first, then its later micro-batches', and the rest while it runs: the same
+    arithmetic, so the loss curve of the serial update, bit for bit, with the state
+    sharded over two ranks (two micro-batches each). All but the first micro-batch's rows
+    are held back until its forward has surely run, so a row a lookup needed but did not
+    wait for would show."""
     options = [f"optimizer.tables.update={update}", f"optimizer.zero_stage={zero}"]
     serial = train(2, *options, name="dp2")  # test_data_parallel_2_matches_1's run
     overlapped = train(2, *options, "tables.overlap=next_step", name="overlapped",

@@ -75,7 +75,8 @@ class StemTable(MegatronModule):
 
     `weight.pending_rows`: while the table optimizer is still writing rows this forward
     may read (`tables.overlap: next_step`, training/tables/overlap.py), a callable that
-    returns once they are in place; a lookup calls it first.
+    returns once the rows a lookup of these ids may read are in place; a lookup calls it
+    first.
     """
 
     sparse_grad = False
@@ -119,7 +120,7 @@ class StemTable(MegatronModule):
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         pending = getattr(self.weight, "pending_rows", None)
         if pending is not None:
-            pending()
+            pending(token_ids)
         if self.placement == "host":
             if self.host is None:
                 raise RuntimeError("a host-placed STEM table has no RowSource to stage its "

@@ -26,8 +26,9 @@ module counts what the same path does in place, per rank per step, all tables:
   all-gathered (`all_gather_varying`: counts, then two tensors; the counts read), their
   sum read (`float`).
 * `launch_*`: `next_step`'s split of the update (`_launch_overlapped`): the next step's ids'
-  `unique`, the owners' `needed_by_any` (counts `.tolist()`, positions, `unique`), the
-  needed rows copied to the state's memory.
+  `unique` (on the host), the owners' `needed_by_any` (counts `.tolist()`, positions
+  tagged with their stage, `unique`), the needed rows and stages copied to the state's
+  memory, the rows split by stage once for all tables.
 """
 
 from __future__ import annotations
@@ -114,7 +115,9 @@ def norm_gather_bytes(shape: TableShape, layout: Layout, counts: RowCounts) -> f
 
 
 def launch_syncs(layout: Layout) -> int:
-    """`next_step`'s launch of the overlapped update."""
+    """`next_step`'s launch of the overlapped update: the owners' counts read (`tolist`,
+    DP > 1) and their `unique`; then CPU state's two copies of the needed rows and stages
+    to the host, or the accelerator's three boolean splits of the rows by stage."""
     if layout.overlap != "next_step":
         return 0
-    return 4 if layout.dp > 1 else 2
+    return (layout.dp > 1) + 1 + (2 if layout.optimizer == "cpu" else 3)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_stem.planning.step import Plan, Workload
+from megatron_stem.planning.step import UNDER_BACKBONE_STEP, Plan, Workload
 from megatron_stem.planning.traffic import RowCounts
 
 
@@ -35,6 +35,8 @@ def components(title: str, p: Plan) -> list[str]:
             note = "serial (the hooks, in backward)"
         if c.phase == "sync":
             note = "serial, at the last backward"
+        if c.phase == UNDER_BACKBONE_STEP:
+            note = "under DeepSpeed's step"
         if c.phase == "tables":
             note = {"none": "serial after backward",
                     "next_step": "with the next step; its rows first",
@@ -43,7 +45,7 @@ def components(title: str, p: Plan) -> list[str]:
         lines.append(f"  {c.name:<58}{amount(c.amount, c.unit):>16}{c.seconds:>10.4f}  {note}")
     lines.append(f"  {'backbone reduction: serial sum / exposed':<58}{'':>16}"
                  f"{p.seconds('reduction'):>10.4f}  exposed {p.exposed_reduction_s:.4f}")
-    tables = p.seconds("sync") + p.seconds("tables") + p.seconds("staging")
+    tables = p.table_seconds
     if tables:
         lines.append(f"  {'table path: serial sum / exposed':<58}{'':>16}{tables:>10.4f}  "
                      f"exposed {p.exposed_tables_s:.4f}")

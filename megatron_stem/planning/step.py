@@ -9,6 +9,8 @@ holder). Everything is priced over the links and rates of `hardware.py`. What ov
 what:
 
 * `none`: the table path runs after the last backward, its stages one after another.
+* Whatever the overlap, sharded CPU state's gradient copies to the host run on a side
+  stream under DeepSpeed's step (phase `UNDER_BACKBONE_STEP`): only what outlasts it waits.
 * `backward` (exact): each table's gradient exchange (ids, grads to owners, D2H) starts
   when its gradient is final (the last micro-batch's backward has passed its layer),
   tables in the order backward finishes them, in chunks that pipeline through the stages
@@ -45,6 +47,7 @@ from megatron_stem.planning.traffic import Layout, RowCounts
 from megatron_stem.planning.workload import (Cluster, Component, Workload,  # noqa: F401
                                              expected_rows, workload)
 from megatron_stem.training.tables.layout import TableLayout
+from megatron_stem.training.tables.overlap import READY_STAGES
 
 PLACEMENTS = ("device", "host")
 UPDATES = ("dense", "lazy")
@@ -61,6 +64,10 @@ CHUNKS_PER_TABLE = 4  # `backward`/`delayed`: a table's rows go through the path
 # addcmul_, sqrt, div, add_, addcdiv_: 68), the rows scattered back (24) and written in
 # the table's dtype (6).
 ACCELERATOR_ROW_ADAM_BYTES = 24 + 12 + 8 + 68 + 24 + 6
+# The phase of work at the step boundary that runs beside DeepSpeed's step (the gradients'
+# copies to CPU state, on a side stream): exposed only by what outlasts that step.
+UNDER_BACKBONE_STEP = "under_backbone_step"
+TABLE_PHASES = ("sync", UNDER_BACKBONE_STEP, "tables", "staging")
 
 
 @dataclass(frozen=True)
@@ -165,7 +172,12 @@ class Plan:
     @property
     def table_seconds(self) -> float:
         """The table path's work, hidden or not: sync, update, staging."""
-        return self.seconds("sync") + self.seconds("tables") + self.seconds("staging")
+        return sum(self.seconds(phase) for phase in TABLE_PHASES)
+
+    @property
+    def beside_backbone_step_s(self) -> float:
+        """How long the boundary's work beside DeepSpeed's step outlasts it."""
+        return max(0.0, self.seconds(UNDER_BACKBONE_STEP) - self.seconds("backbone"))
 
 
 def _ring_seconds(bytes_: float, ranks: int, factor: float, hw: Hardware,
@@ -230,12 +242,14 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
     memory("norm: row sums of squares (fp64)", passes.norm_bytes(s, lay, c), 1, sync,
            hw.norm_bw)  # (their sum read in `grad_norm_sq`: a sync)
     memory("tables' grads made contiguous", passes.split_bytes(s, lay, c), 0, sync)
-    # Sharded CPU state: into reused pinned buffers, without waiting (comm.HostStaging), but
-    # on the compute stream: DeepSpeed's step queues behind the copies
+    # Sharded CPU state: into reused pinned buffers on a side stream (comm.HostStaging),
+    # queued before DeepSpeed's step and run under it; the replicated path's copies are
+    # pageable and serial.
     pinned = sharded
     kind = "pinned" if pinned else "pageable"
     b = traffic.grad_d2h_bytes(s, lay, c)
-    add(f"D2H grads ({kind})", "d2h", b, "B", b / hw.copy_bw(pinned, rpn), 0, sync)
+    add(f"D2H grads ({kind}{', side stream' if pinned else ''})", "d2h", b, "B",
+        b / hw.copy_bw(pinned, rpn), 0, UNDER_BACKBONE_STEP if pinned else sync)
     b = passes.norm_gather_bytes(s, lay, c)
     add("norm: owners' squares all-gathered", "net", b, "B",
         hw.allgather_seconds(b, lay.dp, gpn, 2), 3, sync, 1)  # counts, ids, squares
@@ -258,7 +272,7 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
     h2d = traffic.update_h2d_bytes(s, lay, c)
     add(f"H2D updated rows ({kind})", "h2d", h2d, "B", h2d / hw.copy_bw(pinned, rpn))
     ag = traffic.gather_bytes(s, lay, c)
-    phases = 2 if lay.overlap == "next_step" else 1
+    phases = READY_STAGES + 1 if lay.overlap == "next_step" else 1
     if lay.placement == "device":
         add("all-gather updated rows", "net", ag, "B",
             hw.allgather_seconds(ag, w.dp, gpn, T),  # (next_step: nearly all in one phase)
@@ -343,7 +357,7 @@ def _layer_share_below(w: Workload, layer: int) -> float:
 
 def exposed_table_seconds(w: Workload, option: Option, tables: list[Component],
                           compute_s: float, backbone: list[Component],
-                          first_share: float = 1.0) -> float:
+                          shares: tuple[float, float] = (1.0, 0.0)) -> float:
     """The update's seconds the step waits for (the gradient sync's are counted apart,
     `exposed_sync_seconds`)."""
     if option.overlap == "none" or not tables:
@@ -354,9 +368,8 @@ def exposed_table_seconds(w: Workload, option: Option, tables: list[Component],
     bb_s = sum(c.seconds for c in backbone)
     forward_mb = compute_s / w.microbatches / 3
     if option.overlap == "next_step":
-        ends = _next_step_ends(w, tables, first_share)
-        wait = max(0.0, *(end - forward_mb * _layer_share_below(w, layer)
-                          for end, layer in zip(ends[:n], sorted(w.stem_layers))))
+        ends = _next_step_ends(w, tables, shares)
+        wait = _next_step_wait(w, ends, compute_s)
         return wait + max(0.0, max(ends) - wait - compute_s)
     per_table = _scaled(tables, 1 / n)
     blocked = {"net": (compute_s, compute_s + bb_net)}
@@ -370,14 +383,29 @@ def exposed_table_seconds(w: Workload, option: Option, tables: list[Component],
     return max(0.0, max(_flow_shop([(0.0, per_table)] * n, CHUNKS_PER_TABLE, {})) - window)
 
 
-def _next_step_ends(w: Workload, tables: list[Component], first_share: float) -> list[float]:
+def _next_step_ends(w: Workload, tables: list[Component],
+                    shares: tuple[float, float]) -> list[float]:
     """`next_step`: when each job is done from the next step's start: each table's rows
-    that step reads, in forward order, then the rest; a table's first lookup waits for its
-    rows, the next gradient sync (after that step's backward) for everything."""
+    the next step's first micro-batch reads, in forward order, then those its later ones
+    read, then the rest (`shares`: of the update, the first two); a table's lookup waits
+    for its rows of the micro-batch, the next gradient sync (after that step's backward)
+    for everything."""
     n = w.shape.tables
-    first = _scaled(tables, first_share / n)
-    rest = _scaled(tables, (1 - first_share) / n)
-    return _flow_shop([(0.0, first)] * n + [(0.0, rest)] * n, CHUNKS_PER_TABLE, {})
+    parts = (*shares, max(0.0, 1 - sum(shares)))
+    return _flow_shop([(0.0, _scaled(tables, share / n)) for share in parts
+                       for _ in range(n)], CHUNKS_PER_TABLE, {})
+
+
+def _next_step_wait(w: Workload, ends: list[float], compute_s: float) -> float:
+    """How long the next step waits for its rows: a table's lookup in micro-batch k for
+    its job of stage k (the last stage: of every later micro-batch, from the first of
+    them)."""
+    n = w.shape.tables
+    forward_mb = compute_s / w.microbatches / 3
+    layers = sorted(w.stem_layers)
+    return max(0.0, *(ends[k * n + i] - (k * compute_s / w.microbatches +
+                                         forward_mb * _layer_share_below(w, layer))
+                      for k in range(READY_STAGES) for i, layer in enumerate(layers)))
 
 
 def boundary_segment_seconds(w: Workload, p: "Plan") -> float:
@@ -389,9 +417,10 @@ def boundary_segment_seconds(w: Workload, p: "Plan") -> float:
     compute_s = p.seconds("compute")
     forward = compute_s / w.microbatches / 3 * _layer_share_below(w, min(w.stem_layers))
     update = [c for c in p.components if c.phase == "tables"]
-    before = p.exposed_reduction_s + p.seconds("sync") + p.seconds("backbone")
+    before = p.exposed_reduction_s + p.seconds("sync") + p.seconds("backbone") + \
+        p.beside_backbone_step_s
     if p.option.overlap == "next_step":
-        return before + max(forward, _next_step_ends(w, update, first_share(w, p.option))[0])
+        return before + max(forward, _next_step_ends(w, update, stage_shares(w, p.option))[0])
     return before + sum(c.seconds for c in update) + forward
 
 
@@ -409,12 +438,17 @@ def exposed_sync_seconds(w: Workload, option: Option, sync: list[Component],
     return max(0.0, max(_flow_shop(jobs, CHUNKS_PER_TABLE, {})) - compute_s)
 
 
-def first_share(w: Workload, option: Option | Layout) -> float:
-    """`next_step`: the share of the update the next step reads (its rows over DP among
-    the rows that change: all rows for `dense`, about all changed rows for `lazy`)."""
+def stage_shares(w: Workload, option: Option | Layout) -> tuple[float, float]:
+    """`next_step`: the shares of the update in its two first stages: the rows the next
+    step's first micro-batch reads over DP, then those only its later micro-batches read,
+    among the rows that change (all rows for `dense`; for `lazy` the touched ones, about
+    all of which the next step reads)."""
+    union = w.rows.union_rows
+    first = min(w.rows.first_microbatch_union_rows or union, union)
     if option.update == "lazy":
-        return 1.0
-    return min(1.0, w.rows.union_rows / w.shape.rows)
+        return (first / union, 1 - first / union) if union else (1.0, 0.0)
+    rows = w.shape.rows
+    return min(1.0, first / rows), min(1.0, union / rows) - min(1.0, first / rows)
 
 
 def exposed_staging_seconds(w: Workload, staging: list[Component], compute_s: float) -> float:
@@ -452,6 +486,7 @@ def plan(w: Workload, option: Option | None, cluster: Cluster, hw: Hardware,
     comp = compute_components(w, cluster, hw)
     compute_s = sum(c.seconds for c in comp)
     backbone, reduction_s = backbone_components(w, cluster, hw, compute_s)
+    backbone_step_s = sum(c.seconds for c in backbone if c.phase == "backbone")
     components = comp + backbone
     exposed = 0.0
     lay = None
@@ -461,12 +496,13 @@ def plan(w: Workload, option: Option | None, cluster: Cluster, hw: Hardware,
         components += path + staging
         update = [c for c in path if c.phase == "tables"]
         sync = [c for c in path if c.phase == "sync"]
+        beside = sum(c.seconds for c in path if c.phase == UNDER_BACKBONE_STEP)
         exposed = exposed_sync_seconds(w, option, sync, compute_s) + \
+            max(0.0, beside - backbone_step_s) + \
             exposed_table_seconds(w, option, update, compute_s, backbone,
-                                  first_share(w, lay)) + \
+                                  stage_shares(w, lay)) + \
             exposed_staging_seconds(w, staging, compute_s)
-    step = compute_s + reduction_s + sum(c.seconds for c in backbone if c.phase == "backbone") \
-        + exposed
+    step = compute_s + reduction_s + backbone_step_s + exposed
     why = memory_check(w, lay, hw, cluster, host_memory_bytes)
     counters = traffic.counters(w.shape, lay, rows_for(w.rows, lay)) if lay is not None else {}
     return Plan(option, components, step, exposed, w.flops / (step * hw.peak_flops),

@@ -88,6 +88,9 @@ class RowCounts:
     longest_rank_rows: int = 0  # max rank_rows over DP (replicated: the padded ids)
     self_rows: int = 0  # sharded: of rank_rows, those this rank owns (not sent)
     longest_owned_rows: int = 0  # max owned_rows over the holders (padded gathers)
+    # distinct ids of every DP rank's first micro-batch (`next_step` updates them first;
+    # 0: as union_rows)
+    first_microbatch_union_rows: int = 0
 
     def longest_rank(self) -> int:
         return self.longest_rank_rows or self.rank_rows

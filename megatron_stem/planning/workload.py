@@ -112,7 +112,8 @@ def workload(recipe: Recipe, cluster: Cluster, exponent: float = row_model.ZIPF_
 
 def expected_rows(vocab: int, dp: int, microbatches: int, per_microbatch: int,
                   exponent: float, override: dict) -> RowCounts:
-    """Distinct rows per rank, per micro-batch and over DP from the Zipf model; `override`
+    """Distinct rows per rank, per micro-batch, over DP, and over DP in the first
+    micro-batch from the Zipf model; `override`
     replaces any of `rank_rows`, `union_rows`, `microbatch_rows`, `longest_rank_rows`
     (measured counts)."""
     rank_tokens = microbatches * per_microbatch
@@ -121,6 +122,10 @@ def expected_rows(vocab: int, dp: int, microbatches: int, per_microbatch: int,
                                                                       exponent)
     mb = override.get("microbatch_rows") or microbatches * row_model.expected_distinct(
         per_microbatch, vocab, exponent)
+    first = row_model.expected_distinct(per_microbatch * dp, vocab, exponent)
+    if override.get("union_rows"):  # measured: the model's share of it
+        first *= union / row_model.expected_distinct(rank_tokens * dp, vocab, exponent)
     return RowCounts(rank_rows=round(rank), union_rows=round(union),
                      owned_rows=round(union / dp), microbatch_rows=round(mb),
-                     longest_rank_rows=round(override.get("longest_rank_rows") or rank))
+                     longest_rank_rows=round(override.get("longest_rank_rows") or rank),
+                     first_microbatch_union_rows=round(min(first, union)))

@@ -22,7 +22,8 @@ from megatron_stem.training.tables.optimizer import TableOptimizer
 from megatron_stem.training.tables.shards import interleaved_order
 
 VOCAB, WIDTH, TABLES = 64, 8, 2
-# (`next_step`'s two padded gathers are modelled from one longest owner, not per phase.)
+# (`next_step`'s padded gathers, one per stage, are modelled from one longest owner, not per
+# stage.)
 LAYOUTS = [("dense", "sharded", "none"), ("lazy", "sharded", "none"),
            ("dense", "replicated", "none"), ("lazy", "replicated", "none")]
 

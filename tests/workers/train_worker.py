@@ -45,14 +45,16 @@ class StopDuringStartup(VocabOnlyTokenizer):
 
 
 def delay_the_rest(seconds: float) -> None:
-    """`tables.overlap: next_step` runs the rows the next step reads first and the rest
-    in the background: hold the rest back, so the next forward surely runs before it."""
-    from megatron_stem.training.tables.overlap import Overlap
+    """`tables.overlap: next_step` runs the rows the next step's first micro-batch reads
+    first, then those of its later micro-batches, then the rest, in the background: hold
+    back all but the first, so the next forward surely runs before them (and the second
+    micro-batch's lookups must wait for their rows)."""
+    from megatron_stem.training.tables.overlap import STAGE_NAMES, Overlap
 
     run = Overlap._run
 
     def delayed(self, job):
-        if job.name.endswith("other rows"):
+        if not job.name.endswith(STAGE_NAMES[0]):
             time.sleep(seconds)
         run(self, job)
     Overlap._run = delayed

@@ -33,6 +33,8 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from megatron_stem.training.tables.streams import side_streams
+
 CHECK_ENV = "STEM_CHECK_HOST_TENSORS"
 _HOST = "_stem_host_memory"  # the attribute check mode marks host memory with
 
@@ -161,20 +163,26 @@ class Devices:
 
 
 class HostStaging:
-    """Reused pinned host buffers that accelerator tensors are copied into without waiting
-    (`copy`), and the wait for those copies (`wait`) just before the host reads them: the
-    gradients' way to CPU Adam. On a CPU run the tensors are handed over as they are."""
+    """Reused pinned host buffers that accelerator tensors are copied into on a side stream
+    (`copy`), and the host's wait for those copies (`wait`) just before it reads them: the
+    gradients' way to CPU Adam. Queued before DeepSpeed's step, the copies run under it on
+    the copy engine, not in the compute stream's queue ahead of it. On a CPU run the
+    tensors are handed over as they are. `streams`: the side stream's protocol
+    (streams.py; CUDA's on a GPU node)."""
 
     HEADROOM = 1.25  # steps differ in their rows; pinning is slow, so buffers only grow
 
-    def __init__(self, devices: Devices):
+    def __init__(self, devices: Devices, streams=None):
         self.devices = devices
         self._buffers: dict[object, torch.Tensor] = {}
-        self._copied = None  # a CUDA event after the last copies
+        self._copied = None  # an event after the last copies
+        self._streams = streams if streams is not None or not devices.separate else \
+            side_streams(devices.accelerator)
 
     def copy(self, key, tensor: torch.Tensor, counters=None, counter: str = "") -> torch.Tensor:
         """`tensor` (on the accelerator) in host memory: buffer `key`'s, once `wait` has
-        returned."""
+        returned. The buffer is reused by the next `copy` of `key`: the caller reads it
+        before then (the tables' optimizer does, before it takes the next gradients)."""
         if not self.devices.separate:
             return self.devices.to_host(tensor)
         buffer = self._buffers.get(key)
@@ -182,17 +190,18 @@ class HostStaging:
             buffer = self._buffers[key] = self.devices.host_empty(
                 (int(tensor.numel() * self.HEADROOM) + 1024,), tensor.dtype, pin=True)
         out = buffer[:tensor.numel()].view(tensor.shape)
-        out.copy_(tensor, non_blocking=True)
+        self._streams.hand_over([tensor])  # after the kernels that made it; kept while read
+        with self._streams.running():
+            out.copy_(tensor, non_blocking=True)
+        self._copied = self._streams.mark()
         _count(counters, counter, tensor)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
         return out
 
     def wait(self) -> None:
         """Until every `copy` so far has landed (from any thread)."""
         copied, self._copied = self._copied, None
         if copied is not None:
-            copied.synchronize()
+            self._streams.synchronize(copied)
 
 
 def _count(counters, counter: str, tensor: torch.Tensor) -> None:

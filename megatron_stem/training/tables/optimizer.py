@@ -35,10 +35,10 @@ from megatron_stem.training.tables.adam import AdamKernel
 from megatron_stem.training.tables.checkpoint import checkpoint_states, load_states
 from megatron_stem.training.tables.comm import Comm, Devices, HostStaging, tracked
 from megatron_stem.training.tables.layout import TableLayout
-from megatron_stem.training.tables.overlap import Job, Overlap
+from megatron_stem.training.tables.overlap import READY_STAGES, STAGE_NAMES, Job, Overlap
 from megatron_stem.training.tables.partition import (Partition, Replicated, RowSharded,
                                                      SharedHostCopy, TableState)
-from megatron_stem.training.tables.shards import TrafficCounters, positions_in
+from megatron_stem.training.tables.shards import TrafficCounters, earliest, positions_in
 
 DENSE_CHUNK_BYTES = 64 << 20  # `dense` updates this many bytes of fp32 rows at a time
 
@@ -312,23 +312,47 @@ class TableOptimizer:
 
     def _launch_overlapped(self, lr: float, clip_coef: float,
                            next_ids: list[torch.Tensor]) -> None:
-        """Split each table's update into the rows the next step reads (first, table by
-        table) and the rest, and run both in the background (overlap.py)."""
-        ids = torch.unique(torch.cat([i.flatten() for i in next_ids]))
-        needed = self.partition.shards.needed_by_any(self.devices.to_accelerator(ids),
-                                                     self.counters)
-        needed = self.devices.to_host(needed) if self.state_on_host else needed
-        first, rest = [], []
+        """Split each table's update by when the next step reads the rows (its first
+        micro-batch, its others: `READY_STAGES`; then the rest) and run it in that order,
+        table by table within a stage, in the background (overlap.py)."""
+        needed, stage_of = self._next_step_rows(next_ids)
+        # The rows that change, the same for every table (`dense`: all this rank updates;
+        # `lazy`: the touched ones), split once.
+        t0 = self.tables[0]
+        rows = self.partition.dense_rows(self._state_device(t0)) \
+            if self.layout.update == "dense" else t0.rows
+        at = positions_in(rows, needed)
+        stage = torch.where(at >= 0, stage_of[at.clamp(min=0)], READY_STAGES)
+        parts = [rows[stage == k] for k in range(READY_STAGES + 1)]
+        starts = [0] + torch.tensor([p.numel() for p in parts]).cumsum(0).tolist()
+        stages: list[list] = [[] for _ in range(READY_STAGES)]
+        rest = []
         for t in self.tables:
-            rows = self.partition.dense_rows(self._state_device(t)) \
-                if self.layout.update == "dense" else t.rows  # the rows that change
-            now = torch.isin(rows, needed)
-            first.append((t.param, self._row_job(t, rows[now], clip_coef, lr, 0,
-                                                 "rows the next step reads")))
-            rest.append(self._row_job(t, rows[~now], clip_coef, lr, int(now.sum()),
-                                      "other rows"))
+            for k, what in enumerate(STAGE_NAMES + ("other rows",)):
+                job = self._row_job(t, parts[k], clip_coef, lr, starts[k], what)
+                if k < READY_STAGES:
+                    stages[k].append((t.param, job))
+                else:
+                    rest.append(job)
             t.rows = t.grad = None
-        self.overlap.launch(first, rest)
+        self.overlap.launch(stages, rest)
+
+    def _next_step_rows(self, next_ids: list[torch.Tensor]) -> tuple[torch.Tensor,
+                                                                     torch.Tensor]:
+        """The local rows any rank's next step reads (sorted, where the state is), and the
+        stage of the first micro-batch that reads each (0: the first micro-batch; 1: a
+        later one), over all ranks: one exchange with the rows' owners."""
+        per_mb = [i.flatten() for i in next_ids]
+        ids, stages = earliest(torch.cat(per_mb), torch.cat([
+            torch.full_like(i, min(k, READY_STAGES - 1)) for k, i in enumerate(per_mb)]),
+            READY_STAGES)
+        def to(t):  # no sync: a pageable source is staged by the driver as it returns
+            return self.devices.to_accelerator(t, non_blocking=True)
+        needed, stage_of = self.partition.shards.needed_by_any(to(ids), self.counters,
+                                                               to(stages), READY_STAGES)
+        if self.state_on_host:
+            return self.devices.to_host(needed), self.devices.to_host(stage_of)
+        return needed, stage_of
 
     def _row_job(self, t: TableState, rows: torch.Tensor, clip: float, lr: float,
                  start: int, what: str) -> Job:

@@ -2,12 +2,14 @@
 
 The table update of step k (Adam over a rank's shard, then publishing the updated rows to
 every rank) need not finish before step k+1 starts, only before step k+1 reads a row it
-changes. So `TableOptimizer.step` splits each table's rows in two:
+changes. So `TableOptimizer.step` splits each table's rows in three:
 
-* the rows step k+1 looks up on any rank: updated and published first, table by table in
-  forward order; a table's lookup in step k+1's forward waits for its own rows only (the
-  table parameter's `pending_rows` callable, see `model/table.py`), so the tables of
-  later layers are updated while earlier layers compute;
+* the rows step k+1's first micro-batch looks up on any rank: updated and published
+  first, table by table in forward order; a table's lookup in that forward waits for its
+  own rows only (the table parameter's `pending_rows` callable, see `model/table.py`), so
+  the tables of later layers are updated while earlier layers compute;
+* the rows only its later micro-batches look up: next, in the same order, while the first
+  micro-batch computes; their lookups wait for them;
 * every other row: updated and published after them, while step k+1 runs; nothing reads
   them before step k+2, and `TableOptimizer` waits for them (`finish`) before it takes
   step k+1's gradients, saves, or evaluates.
@@ -35,7 +37,6 @@ a second stream takes to be right:
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 from dataclasses import dataclass
@@ -44,9 +45,15 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_stem.training.tables import streams as side
 from megatron_stem.training.tables.comm import Comm, Devices, host_tracking
 
 CLOSE_TIMEOUT_S = 60.0
+# The update's first parts, in order (module docstring): the next step's first forward
+# waits for the fewest rows, and by its second micro-batch the rest it reads are in place.
+STAGE_NAMES = ("rows the next step's first micro-batch reads",
+               "rows its later micro-batches read")
+READY_STAGES = len(STAGE_NAMES)
 
 
 def clone_group(group):
@@ -72,64 +79,8 @@ class Job:
     inputs: tuple[torch.Tensor, ...] = ()
 
 
-class CudaStreams:
-    """The overlap's CUDA stream, on the device the main thread had when it was made."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
-
-    def enter_worker(self) -> None:
-        torch.cuda.set_device(self.device)  # the worker's current device: the main thread's
-
-    def hand_over(self, tensors) -> None:
-        """Before the worker starts on `tensors`, made on the compute stream: its stream
-        waits for that stream's work, and their memory is not reused while it reads."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        for t in tensors:
-            if t.is_cuda:
-                t.record_stream(self.stream)
-
-    def running(self):
-        return torch.cuda.stream(self.stream)
-
-    def mark(self):
-        """An event after what the worker has queued so far."""
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event
-
-    def wait(self, event) -> None:
-        torch.cuda.current_stream(self.device).wait_event(event)
-
-    def join(self) -> None:
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
-
-
-class NoStreams:
-    """A CPU run: the worker's work is done when its jobs return."""
-
-    def enter_worker(self) -> None:
-        pass
-
-    def hand_over(self, tensors) -> None:
-        pass
-
-    def running(self):
-        return contextlib.nullcontext()
-
-    def mark(self):
-        return None
-
-    def wait(self, event) -> None:
-        pass
-
-    def join(self) -> None:
-        pass
-
-
 class _Ready:
-    """Set when a table's rows for the next forward are in place."""
+    """Set when a table's rows for part of the next step are in place."""
 
     def __init__(self, streams):
         self.streams = streams
@@ -149,16 +100,36 @@ class _Ready:
             self.streams.wait(self.stream_event)
 
 
+class _Lookups:
+    """A table's `pending_rows` for the next step: a lookup waits for the stages of rows
+    it may read. The first lookup is the first micro-batch's forward; it, and a lookup of
+    the same ids tensor (activation recompute replaying that forward), wait for stage 0
+    (the rows that micro-batch reads); every other lookup waits for all stages. The first
+    ids tensor is kept, so its memory cannot become another micro-batch's ids while the
+    step runs (a later lookup with another tensor only ever waits longer)."""
+
+    def __init__(self, ready: list[_Ready]):
+        self.ready = ready
+        self._first: Optional[torch.Tensor] = None
+
+    def __call__(self, token_ids: torch.Tensor) -> None:
+        if self._first is None:
+            self._first = token_ids
+        same = token_ids.data_ptr() == self._first.data_ptr() and \
+            token_ids.shape == self._first.shape and \
+            token_ids.stride() == self._first.stride()
+        self.ready[0 if same else -1].wait()
+
+
 class Overlap:
     """Runs table update jobs on a background thread, in order, one step at a time.
-    `streams`: CUDA's (made from the main thread's device) or none (CPU)."""
+    `streams`: a side stream's protocol (streams.py; made from the main thread's device)."""
 
     def __init__(self, dp_group, devices: Devices, streams=None):
         self.comm = Comm(clone_group(dp_group), devices, "the overlapped update's group")
         if self.comm.size > 1:  # its communicator now, from the main thread, on every rank
             self.comm.all_reduce(torch.zeros(1, device=devices.accelerator))
-        self.streams = streams or (CudaStreams(devices.accelerator)
-                                   if devices.accelerator.type == "cuda" else NoStreams())
+        self.streams = streams or side.side_streams(devices.accelerator)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()
         self._done.set()
@@ -169,36 +140,42 @@ class Overlap:
                                         daemon=True)
         self._worker.start()
 
-    def launch(self, first: list[tuple[torch.nn.Parameter, Job]], rest: list[Job]) -> None:
-        """Run `first` (per table: the job that puts the rows the next forward needs in
-        place), then `rest`, in the background. Until a table's first job is done, its
-        lookups wait (`param.pending_rows`)."""
+    def launch(self, stages: list[list[tuple[torch.nn.Parameter, Job]]],
+               rest: list[Job]) -> None:
+        """Run `stages` (each: per table, the job that puts in place the rows a part of
+        the next step reads), stage by stage, then `rest`, in the background. A table's
+        lookup waits until the stages of rows it may read are done (`_Lookups`)."""
         self.finish()
-        ready = [_Ready(self.streams) for _ in first]
-        for (param, _), r in zip(first, ready):
-            param.pending_rows = r.wait
+        queued, by_param = [], {}
+        for stage in stages:
+            for param, job in stage:
+                ready = _Ready(self.streams)
+                queued.append((job, ready))
+                by_param.setdefault(param, (param, []))[1].append(ready)
+        for param, ready in by_param.values():
+            param.pending_rows = _Lookups(ready)
             self._hooked.append(param)
-        jobs = [j for _, j in first]
-        self.streams.hand_over([t for job in jobs + rest for t in job.inputs])
+        self.streams.hand_over([t for job in [j for j, _ in queued] + rest
+                                for t in job.inputs])
         self._done.clear()
-        self._jobs.put((jobs, ready, rest))
+        self._jobs.put((queued, rest))
 
     def _work(self) -> None:
         self.streams.enter_worker()
         while True:
-            first, ready, rest = self._jobs.get()
+            queued, rest = self._jobs.get()
             try:
                 with host_tracking(), self.streams.running():
-                    for job, r in zip(first, ready):
+                    for job, ready in queued:
                         self._run(job)
-                        r.set()
+                        ready.set()
                     for job in rest:
                         self._run(job)
             except BaseException as e:  # handed to the main thread
                 self._error = e
-                for r in ready:
-                    r.error = r.error or e
-                    r.event.set()
+                for _, ready in queued:
+                    ready.error = ready.error or e
+                    ready.event.set()
             finally:
                 self.running = None
                 self._done.set()

@@ -95,6 +95,15 @@ def positions_in(rows: torch.Tensor, touched: torch.Tensor) -> torch.Tensor:
     return torch.where(touched[at] == rows, at, -1)
 
 
+def earliest(rows: torch.Tensor, stages: torch.Tensor,
+             count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct `rows` (sorted) and each one's smallest stage among `stages` (of
+    `count`)."""
+    distinct, inverse = torch.unique(rows, return_inverse=True)
+    first = torch.full_like(distinct, count - 1).scatter_reduce_(0, inverse, stages, "amin")
+    return distinct, first
+
+
 def check_row_order(saved: int | None, where) -> None:
     """Refuse table states saved in another row order than `ROW_ORDER` (None: a
     checkpoint from before the order was recorded, which is this order)."""
@@ -172,10 +181,12 @@ class RowShards:
         positions, order = torch.sort(self._maps(ids.device)[1][ids])
         return positions, order
 
-    def _positions_to_owners(self, positions: torch.Tensor, counters: TrafficCounters):
+    def _positions_to_owners(self, positions: torch.Tensor, counters: TrafficCounters,
+                             per_position: int = 1):
         """Send each of `positions` (sorted) to its owner: (the positions this rank
-        received, rows sent to each rank, rows received from each rank)."""
-        sent = torch.bincount(positions // self.rows, minlength=self.size)
+        received, rows sent to each rank, rows received from each rank). `per_position`:
+        the values are positions x `per_position` + a smaller tag."""
+        sent = torch.bincount(positions // (self.rows * per_position), minlength=self.size)
         received = torch.empty_like(sent)
         self.comm.all_to_all(received, sent)
         send, recv = sent.tolist(), received.tolist()
@@ -185,13 +196,19 @@ class RowShards:
             (positions.numel() - send[self.rank]) * positions.element_size()
         return incoming, send, recv
 
-    def needed_by_any(self, ids: torch.Tensor, counters: TrafficCounters) -> torch.Tensor:
-        """The owned rows (sorted local rows) that any rank needs (`ids`: this rank's
-        unique table rows, on the accelerator): `to_owners` without the gradients."""
-        positions = self._by_position(ids)[0]
-        if self.size == 1:
-            return positions - self.lo
-        return torch.unique(self._positions_to_owners(positions, counters)[0] - self.lo)
+    def needed_by_any(self, ids: torch.Tensor, counters: TrafficCounters,
+                      stages: torch.Tensor | None = None,
+                      count: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """The owned rows (sorted local rows) that any rank needs, and for each the
+        earliest of the `count` stages in which a rank needs it (`ids`: this rank's unique
+        table rows, on the accelerator; `stages`: the stage in which this rank first needs
+        each, 0 if not given): `to_owners` without the gradients, each position tagged
+        with its stage (position x count + stage), so one exchange says both."""
+        positions, order = self._by_position(ids)
+        tagged = positions * count + (stages[order] if stages is not None else 0)
+        if self.size > 1:
+            tagged = self._positions_to_owners(tagged, counters, count)[0]
+        return earliest(tagged // count - self.lo, tagged % count, count)
 
     # -- 3. updated rows to every holder --------------------------------------------------
 
