@@ -142,7 +142,9 @@ def test_varlen_path_packs_megatron_layout_like_the_dense_path(monkeypatch, batc
     qkv = torch.randn(s, batch, groups, heads // groups + 2, dim, generator=g)
     q = qkv[:, :, :, :2].reshape(s, batch, heads, dim)
     k, v = qkv[:, :, :, 2], qkv[:, :, :, 3]
-    monkeypatch.setattr(documents, "varlen_attn", _reference_varlen)
+    from torch.nn.attention import varlen  # (documents imports it where it runs)
+
+    monkeypatch.setattr(varlen, "varlen_attn", _reference_varlen)
     got = documents._varlen(q, k, v, docs, 0.3, True)
     expected = documents._dense_mask(q, k, v, docs, 0.3, True)
     assert got.shape == (s, batch, heads, dim)

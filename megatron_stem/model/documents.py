@@ -35,7 +35,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
-from torch.nn.attention.varlen import varlen_attn
 
 # PackedSeqParams.qkv_format of document boundaries (megatron reads `thd` only).
 FORMAT = "sbhd"
@@ -78,6 +77,10 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def _varlen(query, key, value, documents: PackedSeqParams, scale, gqa) -> torch.Tensor:
+    # Imported where it runs (CUDA only): its module imports TorchDynamo, 1-2 s of every
+    # process's start otherwise.
+    from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415
+
     s, b = query.shape[:2]
     # [s, b, h, d] -> [b*s, h, d], batch-major like cu_seqlens (a view when b == 1)
     q, k, v = (t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (query, key, value))
