@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import megatron_stem  # noqa: F401  (first of ours: before any test module imports megatron-core)
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "tests" / "workers"
 # The tables' path refuses host memory handed to a collective, as NCCL would on a GPU node

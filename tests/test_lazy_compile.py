@@ -1,4 +1,5 @@
-"""megatron-core's `jit_fuser` compiles at a function's first call, not at import."""
+"""megatron-core's and DeepSpeed's compile decorators compile at a function's first call,
+not at import."""
 
 import subprocess
 import sys
@@ -31,11 +32,19 @@ def test_megatrons_fuser_is_the_lazy_torch_compile():
     assert getattr(bias_swiglu, "lazily_decorated", False)
 
 
+def test_deepspeeds_muon_kernels_are_compiled_lazily():
+    """ZeRO's reduction imports DeepSpeed's Muon whatever the optimizer."""
+    from deepspeed.runtime.zero.muon import original_muon
+
+    assert getattr(original_muon.zeropower_via_newtonschulz5, "lazily_decorated", False)
+
+
 def test_importing_the_trainer_imports_no_compiler():
     """The ~4 s of TorchDynamo and Inductor are not paid by a rank that never compiles
     (nor is the varlen attention kernel's module, which imports TorchDynamo: the model
-    imports it where it runs, on CUDA)."""
-    code = ("import sys, megatron_stem.train, megatron.core.transformer; "
+    imports it where it runs, on CUDA), DeepSpeed's Muon included."""
+    code = ("import sys, megatron_stem.train, megatron.core.transformer, "
+            "deepspeed.runtime.zero.muon.muon_optimizer; "
             "print(any(m in sys.modules for m in ('torch._inductor', 'torch._dynamo')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split("\n")[-2]

@@ -12,6 +12,11 @@ Greedy decoding takes the argmax over real token ids only (< vocab_size): the vo
 padding columns megatron adds for TP are not tokens.
 """
 
+# megatron_stem before megatron-core: its import hook keeps megatron-core from importing
+# TorchDynamo and Inductor (megatron_stem/lazy_compile.py), seconds of every rank's start.
+import megatron_stem  # noqa: F401
+
+# isort: split
 import argparse
 from pathlib import Path
 

@@ -8,6 +8,11 @@
 inside each document (model/documents.py).
 """
 
+# megatron_stem before megatron-core: its import hook keeps megatron-core from importing
+# TorchDynamo and Inductor (megatron_stem/lazy_compile.py), seconds of every rank's start.
+import megatron_stem  # noqa: F401
+
+# isort: split
 import argparse
 import os
 
