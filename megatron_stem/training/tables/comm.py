@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -162,6 +163,27 @@ class Devices:
         return mark_host(torch.empty(shape, dtype=dtype, pin_memory=pin))
 
 
+class HostBuffers:
+    """Buffers reused from step to step where they are host memory (a CPU run), by key,
+    grown as needed; new ones on an accelerator, whose caching allocator reuses its blocks
+    itself. glibc instead returns freed buffers of tens of MB to the system (as soon as the
+    heap's free top passes its trim threshold, twice the mmap threshold's 32 MiB) and
+    faults new ones in at a sixth of the copy rate. Not shared by threads at once (the
+    overlapped update and the main thread's take turns)."""
+
+    def __init__(self):
+        self._by_key: dict = {}
+
+    def empty(self, key, shape, dtype, device) -> torch.Tensor:
+        if torch.device(device).type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=device)
+        count = math.prod(shape)
+        buffer = self._by_key.get(key)
+        if buffer is None or buffer.numel() < count or buffer.dtype != dtype:
+            buffer = self._by_key[key] = torch.empty(count, dtype=dtype)
+        return buffer[:count].view(shape)
+
+
 class HostStaging:
     """Reused pinned host buffers that accelerator tensors are copied into on a side stream
     (`copy`), and the host's wait for those copies (`wait`) just before it reads them: the
@@ -219,6 +241,7 @@ class Comm:
         self.size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self._alone = False
+        self._buffers = HostBuffers()  # `all_gather_varying`'s
 
     @classmethod
     def alone(cls, devices: Devices, name: str) -> "Comm":
@@ -265,7 +288,8 @@ class Comm:
     def all_gather_varying(self, tensors: list[torch.Tensor]):
         """Every rank's `tensors` (of one first-dimension length per rank, which may differ
         between ranks), gathered padded to the longest: per tensor, the ranks' tensors in
-        rank order, trimmed; and the longest length."""
+        rank order, trimmed; and the longest length. The results are valid until the next
+        call (host memory reuses its buffers): read them before."""
         length = tensors[0].shape[0]
         count = torch.tensor([length], device=self.devices.accelerator)
         counts = [torch.empty_like(count) for _ in range(self.size)]
@@ -273,10 +297,13 @@ class Comm:
         counts = [int(c) for c in counts]
         longest = max(counts)
         out = []
-        for t in tensors:
-            padded = t.new_zeros((longest, *t.shape[1:]))
+        for k, t in enumerate(tensors):  # (a CPU run: into buffers reused per call site)
+            shape = (longest, *t.shape[1:])
+            padded = self._buffers.empty(("sent", k), shape, t.dtype, t.device)
             padded[:length] = t
-            gathered = [torch.empty_like(padded) for _ in range(self.size)]
+            padded[length:] = 0
+            gathered = [self._buffers.empty(("received", k, r), shape, t.dtype, t.device)
+                        for r in range(self.size)]
             self.all_gather(gathered, padded)
             out.append([g[:c] for g, c in zip(gathered, counts)])
         return out, longest

@@ -42,7 +42,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from megatron_stem.errors import ConfigError, UserError
-from megatron_stem.training.tables.comm import Comm
+from megatron_stem.training.tables.comm import Comm, HostBuffers
 
 ID_BYTES = 8  # int64 row ids and counts
 # The row order of saved table states, a version number (the train state holds numbers
@@ -131,6 +131,7 @@ class RowShards:
         self.position = torch.empty_like(self.order)  # id -> position
         self.position[self.order] = torch.arange(vocab)
         self._on = {}  # device -> (order, position) there
+        self._buffers = HostBuffers()  # the publication's, in a CPU run
 
     def _maps(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         device = torch.device(device)
@@ -225,22 +226,26 @@ class RowShards:
         peers = self._shard_indices(holders)
         order = self._maps(table.device)[0]
         into = _Into(holders.devices, on_host, counters)
+        # Whether this rank's rows are in its table already: a table that is its own
+        # master (updated in place), or a host copy (written by its owner).
+        in_place = shard is None or on_host
         if shard is None:
             if len(peers) == 1:
                 return
-            shard = table[order[self.lo:self.hi]]
+            shard = torch.index_select(table, 0, order[self.lo:self.hi], out=self._buffers.empty(
+                "own", (self.rows, table.shape[1]), table.dtype, table.device))
         shard = holders.devices.to_accelerator(shard.to(table.dtype), counters,
-                                               "update_h2d_bytes")
+                                               "update_h2d_bytes").contiguous()
         if len(peers) == 1:
             table.index_copy_(0, order[self.lo:self.hi], into(shard))
             return
-        # One buffer per peer, not one for all: on the CPU a buffer over glibc's mmap
-        # threshold (at most 32 MiB) is fresh pages every step, faulted in at a sixth of
-        # the copy rate; smaller ones reuse the heap's.
-        received = [torch.empty_like(shard) for _ in peers]
-        holders.all_gather(received, shard.contiguous())
+        # One buffer per peer (an owner's rows are interleaved over the table, not one
+        # slice of it); this rank's rows land in its own shard.
+        received = [shard if r == self.rank else self._buffers.empty(
+            ("peer", i), shard.shape, shard.dtype, shard.device) for i, r in enumerate(peers)]
+        holders.all_gather(received, shard)
         for r, rows in zip(peers, received):
-            if not (on_host and r == self.rank):  # a host copy has its owner's rows
+            if not (in_place and r == self.rank):
                 table.index_copy_(0, order[r * self.rows:(r + 1) * self.rows], into(rows))
         counters.gather_bytes += (len(peers) - 1) * shard.numel() * shard.element_size()
 
@@ -252,6 +257,7 @@ class RowShards:
         peers = self._shard_indices(holders)
         devices = holders.devices
         into = _Into(devices, on_host, counters)
+        values_given = values is not None
         if values is None:
             if len(peers) == 1:
                 return
@@ -265,8 +271,9 @@ class RowShards:
         counters.index_bytes += len(peers) * (ID_BYTES + longest * ID_BYTES)
         counters.gather_bytes += (len(peers) - 1) * longest * table.shape[1] * \
             values.element_size()
+        in_place = not values_given or on_host  # (as in `gather_shards`)
         for r, peer_ids, rows in zip(peers, gathered_ids, gathered):  # no copy of them all
-            if not (on_host and r == self.rank):
+            if not (in_place and r == self.rank):
                 table.index_copy_(0, into(peer_ids, counted=False), into(rows))
 
     def all_ids(self, ids: torch.Tensor, counters: TrafficCounters) -> torch.Tensor:
