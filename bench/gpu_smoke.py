@@ -8,10 +8,12 @@ Each variant trains the same STEM model on the same random token batches in this
 
 * bf16 through DeepSpeed: bf16 parameters and tables (so the tables' fp32 master is a
   copy of its own), gradients accumulated and reduced in fp32 by DeepSpeed's ZeRO
-  optimizer, the state sharded in CPU memory (DeepSpeed's CPU Adam): the loss falls;
+  optimizer, the state sharded in CPU memory (DeepSpeed's CPU Adam; the gradients cross
+  to it on a side stream): the loss falls;
 * the tables' state on the accelerator (torch's Adam there) against CPU memory: close;
-* `tables.overlap: next_step` (a second thread and CUDA stream, events, recorded tensors)
-  against `none`, with deterministic algorithms and the math attention kernel: the same
+* `tables.overlap: next_step` (a second thread and CUDA stream, events, recorded tensors;
+  4 micro-batches a step, so the first micro-batch's rows go first and the later ones'
+  are waited for) against `none`, with deterministic algorithms and the math attention kernel: the same
   losses bit for bit;
 * host placement (a pinned staging buffer, the side stream, the hot-row cache) against
   device placement: close.
