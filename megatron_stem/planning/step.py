@@ -165,6 +165,8 @@ class Plan:
     why_not: str = ""
     counters: dict = field(default_factory=dict)
     exposed_reduction_s: float = 0.0  # of the backbone's gradient reduction
+    # of the boundary's work beside DeepSpeed's step (UNDER_BACKBONE_STEP): what outlasts it
+    exposed_beside_step_s: float = 0.0
 
     def seconds(self, phase: str) -> float:
         return sum(c.seconds for c in self.components if c.phase == phase)
@@ -173,11 +175,6 @@ class Plan:
     def table_seconds(self) -> float:
         """The table path's work, hidden or not: sync, update, staging."""
         return sum(self.seconds(phase) for phase in TABLE_PHASES)
-
-    @property
-    def beside_backbone_step_s(self) -> float:
-        """How long the boundary's work beside DeepSpeed's step outlasts it."""
-        return max(0.0, self.seconds(UNDER_BACKBONE_STEP) - self.seconds("backbone"))
 
 
 def _ring_seconds(bytes_: float, ranks: int, factor: float, hw: Hardware,
@@ -285,7 +282,7 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
             # already: they are gathered out of it for the collective, not put back. On a
             # GPU the buffers are new (the list-form all-gather's copy out of its flat
             # buffer, into the caching allocator's blocks); in host memory reused
-            # (shards.HostBuffers: no fresh pages), except the padded gathers' own.
+            # (comm.HostBuffers: no fresh pages), except the padded gathers' own.
             own = ag / (w.dp - 1)
             placed = ag + (0 if lay.own_master else own)
             fresh = 0.0 if hw.device_is_host else ag
@@ -425,7 +422,7 @@ def boundary_segment_seconds(w: Workload, p: "Plan") -> float:
     forward = compute_s / w.microbatches / 3 * _layer_share_below(w, min(w.stem_layers))
     update = [c for c in p.components if c.phase == "tables"]
     before = p.exposed_reduction_s + p.seconds("sync") + p.seconds("backbone") + \
-        p.beside_backbone_step_s
+        p.exposed_beside_step_s
     if p.option.overlap == "next_step":
         return before + max(forward, _next_step_ends(w, update, stage_shares(w, p.option))[0])
     return before + sum(c.seconds for c in update) + forward
@@ -454,8 +451,8 @@ def stage_shares(w: Workload, option: Option | Layout) -> tuple[float, float]:
     first = min(w.rows.first_microbatch_union_rows or union, union)
     if option.update == "lazy":
         return (first / union, 1 - first / union) if union else (1.0, 0.0)
-    rows = w.shape.rows
-    return min(1.0, first / rows), min(1.0, union / rows) - min(1.0, first / rows)
+    first_share = min(1.0, first / w.shape.rows)
+    return first_share, min(1.0, union / w.shape.rows) - first_share
 
 
 def exposed_staging_seconds(w: Workload, staging: list[Component], compute_s: float) -> float:
@@ -495,7 +492,7 @@ def plan(w: Workload, option: Option | None, cluster: Cluster, hw: Hardware,
     backbone, reduction_s = backbone_components(w, cluster, hw, compute_s)
     backbone_step_s = sum(c.seconds for c in backbone if c.phase == "backbone")
     components = comp + backbone
-    exposed = 0.0
+    exposed = beside_exposed = 0.0
     lay = None
     if option is not None and w.shape.tables:
         path, lay = table_components(w, option, cluster, hw)
@@ -503,9 +500,9 @@ def plan(w: Workload, option: Option | None, cluster: Cluster, hw: Hardware,
         components += path + staging
         update = [c for c in path if c.phase == "tables"]
         sync = [c for c in path if c.phase == "sync"]
-        beside = sum(c.seconds for c in path if c.phase == UNDER_BACKBONE_STEP)
-        exposed = exposed_sync_seconds(w, option, sync, compute_s) + \
-            max(0.0, beside - backbone_step_s) + \
+        beside_exposed = max(0.0, sum(c.seconds for c in path if c.phase ==
+                                      UNDER_BACKBONE_STEP) - backbone_step_s)
+        exposed = exposed_sync_seconds(w, option, sync, compute_s) + beside_exposed + \
             exposed_table_seconds(w, option, update, compute_s, backbone,
                                   stage_shares(w, lay)) + \
             exposed_staging_seconds(w, staging, compute_s)
@@ -513,7 +510,8 @@ def plan(w: Workload, option: Option | None, cluster: Cluster, hw: Hardware,
     why = memory_check(w, lay, hw, cluster, host_memory_bytes)
     counters = traffic.counters(w.shape, lay, rows_for(w.rows, lay)) if lay is not None else {}
     return Plan(option, components, step, exposed, w.flops / (step * hw.peak_flops),
-                fits=not why, why_not=why, counters=counters, exposed_reduction_s=reduction_s)
+                fits=not why, why_not=why, counters=counters, exposed_reduction_s=reduction_s,
+                exposed_beside_step_s=beside_exposed)
 
 
 def rank(w: Workload, cluster: Cluster, hw: Hardware,

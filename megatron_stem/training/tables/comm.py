@@ -198,8 +198,7 @@ class HostStaging:
         self.devices = devices
         self._buffers: dict[object, torch.Tensor] = {}
         self._copied = None  # an event after the last copies
-        self._streams = streams if streams is not None or not devices.separate else \
-            side_streams(devices.accelerator)
+        self._streams = streams or side_streams(devices.accelerator)
 
     def copy(self, key, tensor: torch.Tensor, counters=None, counter: str = "") -> torch.Tensor:
         """`tensor` (on the accelerator) in host memory: buffer `key`'s, once `wait` has

@@ -25,6 +25,7 @@ Update semantics (`optimizer.tables.update`):
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import torch
@@ -324,12 +325,13 @@ class TableOptimizer:
         at = positions_in(rows, needed)
         stage = torch.where(at >= 0, stage_of[at.clamp(min=0)], READY_STAGES)
         parts = [rows[stage == k] for k in range(READY_STAGES + 1)]
-        starts = [0] + torch.tensor([p.numel() for p in parts]).cumsum(0).tolist()
+        grad_rows = [positions_in(part, t0.rows) for part in parts]  # (t.rows: the same)
+        starts = list(itertools.accumulate((part.numel() for part in parts), initial=0))
         stages: list[list] = [[] for _ in range(READY_STAGES)]
         rest = []
         for t in self.tables:
             for k, what in enumerate(STAGE_NAMES + ("other rows",)):
-                job = self._row_job(t, parts[k], clip_coef, lr, starts[k], what)
+                job = self._row_job(t, parts[k], grad_rows[k], clip_coef, lr, starts[k], what)
                 if k < READY_STAGES:
                     stages[k].append((t.param, job))
                 else:
@@ -346,6 +348,7 @@ class TableOptimizer:
         ids, stages = earliest(torch.cat(per_mb), torch.cat([
             torch.full_like(i, min(k, READY_STAGES - 1)) for k, i in enumerate(per_mb)]),
             READY_STAGES)
+
         def to(t):  # no sync: a pageable source is staged by the driver as it returns
             return self.devices.to_accelerator(t, non_blocking=True)
         needed, stage_of = self.partition.shards.needed_by_any(to(ids), self.counters,
@@ -354,13 +357,13 @@ class TableOptimizer:
             return self.devices.to_host(needed), self.devices.to_host(stage_of)
         return needed, stage_of
 
-    def _row_job(self, t: TableState, rows: torch.Tensor, clip: float, lr: float,
-                 start: int, what: str) -> Job:
-        """The update of local rows `rows` and their publication: gradients of the touched
-        rows (`t.rows`) from `t.grad` x `clip`, zero for the others; their new values in
-        rows [start, ...) of the table's buffer (none for a table that is its own
-        master)."""
-        grad_rows, grad = positions_in(rows, t.rows), t.grad
+    def _row_job(self, t: TableState, rows: torch.Tensor, grad_rows: torch.Tensor,
+                 clip: float, lr: float, start: int, what: str) -> Job:
+        """The update of local rows `rows` and their publication: gradients `t.grad[
+        grad_rows]` x `clip` (-1: an untouched row, zero; `positions_in(rows, t.rows)`);
+        their new values in rows [start, ...) of the table's buffer (none for a table that
+        is its own master)."""
+        grad = t.grad
 
         def run(comm: Comm) -> None:
             values = self._values(t, rows.numel(), start) if t.separate else None

@@ -151,12 +151,12 @@ class Overlap:
             for param, job in stage:
                 ready = _Ready(self.streams)
                 queued.append((job, ready))
-                by_param.setdefault(param, (param, []))[1].append(ready)
-        for param, ready in by_param.values():
+                by_param.setdefault(param, []).append(ready)
+        for param, ready in by_param.items():
             param.pending_rows = _Lookups(ready)
             self._hooked.append(param)
-        self.streams.hand_over([t for job in [j for j, _ in queued] + rest
-                                for t in job.inputs])
+        jobs = [job for job, _ in queued] + rest
+        self.streams.hand_over([t for job in jobs for t in job.inputs])
         self._done.clear()
         self._jobs.put((queued, rest))
 
