@@ -4,7 +4,6 @@ not at import."""
 import subprocess
 import sys
 
-
 from megatron_stem import lazy_compile  # before megatron-core: its import installs the hook
 
 

@@ -164,23 +164,28 @@ class Devices:
 
 
 class HostBuffers:
-    """Buffers reused from step to step where they are host memory (a CPU run), by key,
-    grown as needed; new ones on an accelerator, whose caching allocator reuses its blocks
-    itself. glibc instead returns freed buffers of tens of MB to the system (as soon as the
-    heap's free top passes its trim threshold, twice the mmap threshold's 32 MiB) and
-    faults new ones in at a sixth of the copy rate. Not shared by threads at once (the
-    overlapped update and the main thread's take turns)."""
+    """Buffers reused from step to step where they are host memory, by key, grown as
+    needed (`headroom`: by that factor, for sizes that vary from step to step); new ones
+    on an accelerator, whose caching allocator reuses its blocks itself. glibc instead
+    returns freed buffers of tens of MB to the system (as soon as the heap's free top
+    passes its trim threshold, twice the mmap threshold's 32 MiB) and faults new ones in at
+    a sixth of the copy rate. `allocate(count, dtype)`: a flat host buffer (default: plain
+    memory). Not shared by threads at once (the overlapped update and the main thread's
+    take turns)."""
 
-    def __init__(self):
+    def __init__(self, allocate=None, headroom: float = 1.0):
+        self._allocate = allocate or (lambda count, dtype: torch.empty(count, dtype=dtype))
+        self.headroom = headroom
         self._by_key: dict = {}
 
-    def empty(self, key, shape, dtype, device) -> torch.Tensor:
+    def empty(self, key, shape, dtype, device="cpu") -> torch.Tensor:
         if torch.device(device).type != "cpu":
             return torch.empty(shape, dtype=dtype, device=device)
         count = math.prod(shape)
         buffer = self._by_key.get(key)
         if buffer is None or buffer.numel() < count or buffer.dtype != dtype:
-            buffer = self._by_key[key] = torch.empty(count, dtype=dtype)
+            size = count if self.headroom == 1 else int(count * self.headroom) + 1024
+            buffer = self._by_key[key] = self._allocate(size, dtype)
         return buffer[:count].view(shape)
 
 
@@ -196,7 +201,8 @@ class HostStaging:
 
     def __init__(self, devices: Devices, streams=None):
         self.devices = devices
-        self._buffers: dict[object, torch.Tensor] = {}
+        self._buffers = HostBuffers(
+            lambda count, dtype: devices.host_empty((count,), dtype, pin=True), self.HEADROOM)
         self._copied = None  # an event after the last copies
         self._streams = streams or side_streams(devices.accelerator)
 
@@ -206,11 +212,7 @@ class HostStaging:
         before then (the tables' optimizer does, before it takes the next gradients)."""
         if not self.devices.separate:
             return self.devices.to_host(tensor)
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < tensor.numel() or buffer.dtype != tensor.dtype:
-            buffer = self._buffers[key] = self.devices.host_empty(
-                (int(tensor.numel() * self.HEADROOM) + 1024,), tensor.dtype, pin=True)
-        out = buffer[:tensor.numel()].view(tensor.shape)
+        out = self._buffers.empty(key, tensor.shape, tensor.dtype)
         self._streams.hand_over([tensor])  # after the kernels that made it; kept while read
         with self._streams.running():
             out.copy_(tensor, non_blocking=True)
