@@ -42,10 +42,25 @@ def extensions_dir() -> Path:
 
 
 def use_extensions_dir() -> Path:
-    """Point torch's JIT builds (ours and DeepSpeed's own) at `extensions_dir()`."""
+    """Point torch's JIT builds (ours and DeepSpeed's own) at `extensions_dir()`, built by
+    this environment's ninja (`environment_ninja_first`)."""
     folder = extensions_dir()
     os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
+    environment_ninja_first()
     return folder
+
+
+def environment_ninja_first() -> None:
+    """Put this environment's ninja (DeepSpeed's dependency, next to the interpreter)
+    first on PATH. torch runs whichever `ninja` PATH finds first at every load, even of a
+    built op, and ninja versions keep their build logs in formats that do not read each
+    other's (1.12 changed its hash): a process of an activated environment (slurm/launch.sh
+    activates one) and one of the same environment run by path (`.venv/bin/python`, the
+    system's ninja first) rebuilt the ops in turn, a minute each time."""
+    bin_dir = Path(sys.executable).parent
+    path = os.environ.get("PATH", "")
+    if (bin_dir / "ninja").is_file() and path.split(os.pathsep)[0] != str(bin_dir):
+        os.environ["PATH"] = os.pathsep.join([str(bin_dir), path]) if path else str(bin_dir)
 
 
 def _speaks() -> bool:

@@ -3,6 +3,7 @@ libraries' noise filtered at its source, JIT op builds announced once and cached
 environment. (The quickstart's whole output is checked in test_quickstart.py.)"""
 
 import logging
+import os
 import subprocess
 import sys
 import warnings
@@ -103,6 +104,7 @@ def test_op_builds_are_announced_once_and_cached_per_environment(tmp_path, monke
     monkeypatch.undo()
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))  # the user's choice
+    monkeypatch.setenv("PATH", os.environ.get("PATH", ""))  # restored after `load`'s change
     builder = FakeBuilder()
     ops.load(builder, "the fake op")
     assert capsys.readouterr().out == \
@@ -114,6 +116,25 @@ def test_op_builds_are_announced_once_and_cached_per_environment(tmp_path, monke
     (tmp_path / "ext" / "fake_op" / "fake_op.so").unlink()
     ops.load(builder, "the fake op")  # another rank of the node: the first one says it
     assert capsys.readouterr().out == "" and builder.loads == 3
+
+
+def test_op_builds_run_this_environments_ninja(tmp_path, monkeypatch):
+    """Whether the environment is activated or run by path, its ops are built and checked
+    by its own ninja: two ninja versions in turn rebuilt them at every switch."""
+    import shutil
+
+    env_bin, system_bin = tmp_path / "venv" / "bin", tmp_path / "usr" / "bin"
+    for folder in (env_bin, system_bin):
+        folder.mkdir(parents=True)
+        (folder / "ninja").write_text("#!/bin/sh\n")
+        (folder / "ninja").chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(env_bin / "python"))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("PATH", str(system_bin))  # run by path: the system's ninja first
+    ops.use_extensions_dir()
+    assert shutil.which("ninja") == str(env_bin / "ninja")
+    ops.use_extensions_dir()  # once on PATH, not again
+    assert os.environ["PATH"] == f"{env_bin}{os.pathsep}{system_bin}"
 
 
 def test_deepspeed_builders_ask_the_cpu_once_per_process(tmp_path, monkeypatch):
