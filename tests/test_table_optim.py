@@ -171,3 +171,19 @@ def test_interleaved_shards_balance_the_frequent_rows():
                 continue
             low = (order.view(ranks, -1) < vocab // 20).sum(1)  # the 5% lowest ids
             assert low.max() - low.min() <= 0.05 * low.float().mean() + 2, (vocab, ranks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_finite_check_agrees_with_isfinite(dtype):
+    """`all_finite` (a min and a max per tensor) answers as `isfinite(...).all()` for a NaN
+    or either infinity anywhere, also past the first SIMD vector, and for no rows."""
+    all_finite = table_optim.all_finite
+    grads = [torch.randn(37, 96).to(dtype), torch.randn(5, 96).to(dtype),
+             torch.empty(0, 96, dtype=dtype)]
+    assert all_finite(grads).item() and all_finite([]).item()
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for table, where in ((0, (36, 95)), (1, (0, 0)), (0, (17, 41))):
+            spoilt = [g.clone() for g in grads]
+            spoilt[table][where] = bad
+            assert not all(torch.isfinite(g).all() for g in spoilt)
+            assert not all_finite(spoilt).item(), (bad, table, where)

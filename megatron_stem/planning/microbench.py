@@ -184,10 +184,11 @@ def pack_bw() -> float:
 
 def norm_bw() -> float:
     """Bytes/s (`passes.norm_bytes`) of the norm's squares as `sync_grads` takes them:
-    each owned row's sum of squares in float64, per table."""
+    each owned row's sum of squares in float64, per table, each table's grads a column
+    slice of the owners' one [rows, tables x width] tensor (shards.py `to_owners`)."""
     mbs = _step_ids()
     counts = _counts(mbs)
-    grads = [torch.randn(counts.owned_rows, TABLE_WIDTH) for _ in range(STEP_TABLES)]
+    grads = torch.randn(counts.owned_rows, STEP_TABLES * TABLE_WIDTH).split(TABLE_WIDTH, 1)
     seconds = best(lambda: torch.stack([g.double().square().sum(1) for g in grads], 1))
     return counts.owned_rows * TABLE_WIDTH * STEP_TABLES * passes.NORM_BYTES_PER_ELEMENT / seconds
 

@@ -17,7 +17,8 @@ module counts what the same path does in place, per rank per step, all tables:
   buffer, the touched-row count all-reduced (`int`). `Replicated.sync`: the ids all-gathered
   (`int` of each rank's count), their `unique`, then per table a zero union buffer, this
   rank's rows placed into it in fp32, all-reduced, averaged into a new one.
-* `finite_bytes`: `TableOptimizer.sync_grads`' isfinite of the rank's own row grads.
+* `finite_bytes`: `TableOptimizer.sync_grads`' finite check of the rank's own row grads
+  (`all_finite`: one `aminmax` each).
 * `norm_bytes`: each owned row's sum of squares in float64 (`double`, `square`, `sum(1)`),
   on the accelerator, before the grads leave it.
 * `split_bytes`: sharded grads are one [rows, tables x width] tensor; each table's slice is
@@ -80,8 +81,8 @@ def pack_syncs(layout: Layout) -> int:
 
 
 def finite_bytes(shape: TableShape, counts: RowCounts, dtype_bytes: int) -> float:
-    """isfinite of the rank's own row grads (a bool per element, then `all`)."""
-    return counts.rank_rows * shape.width * shape.tables * (dtype_bytes + 2)
+    """The rank's own row grads read once (`optimizer.all_finite`: their min and max)."""
+    return counts.rank_rows * shape.width * shape.tables * dtype_bytes
 
 
 def norm_elements(shape: TableShape, layout: Layout, counts: RowCounts) -> float:

@@ -63,6 +63,15 @@ def _partition(layout: TableLayout, vocab: int, devices: Devices, dp_group,
                           cross)
 
 
+def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Whether every element is finite, as a device bool (no sync): each tensor's min and
+    max in one read (`aminmax`: a NaN propagates, an infinity is the min or the max).
+    `isfinite(...).all()` gives the same answer in several passes and a bool tensor as large
+    as the input (ten times slower on the CPU here, three kernels or more on a GPU)."""
+    ends = [m for t in tensors if t.numel() for m in torch.aminmax(t)]
+    return torch.isfinite(torch.stack(ends)).all() if ends else torch.tensor(True)
+
+
 class TableOptimizer:
     """`tables`: (name, parameter) of the model's STEM tables; `layout`: how they are
     kept and trained (layout.py); `host`: the HostTableStore of host-resident tables."""
@@ -168,7 +177,7 @@ class TableOptimizer:
         self.rank_rows = ids.numel()
         # Whether this rank's own row gradients were finite, kept on the device (no sync):
         # read only when the step is skipped, to say whose they were (training/update.py).
-        self._local_finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+        self._local_finite = all_finite(grads)
         local, grads, self.touched_rows = self.partition.sync(ids, grads, self.counters)
         # The norm's squares where the gradients are, before any copy (no pass on the CPU)
         self._squares = torch.stack([g.double().square().sum(1) for g in grads], 1)
