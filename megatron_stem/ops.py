@@ -19,6 +19,7 @@ import io
 import os
 import platform
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -86,10 +87,32 @@ def _ask_cpuinfo_once() -> None:
     cpuinfo.get_cpu_info = get_cpu_info
 
 
+# torch's build lock (`FileBaton`: a file created exclusively, removed when the build ends)
+# is older than this only when its build was killed (a build takes a few minutes): every
+# later load would wait for it forever.
+STALE_LOCK_S = 30 * 60
+
+
+def _clear_stale_lock(lock: Path, what: str) -> None:
+    """Remove `lock` when its build died; say why a load waits when one is running."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
+        print(f"removed {lock}, left {age / 60:.0f} min ago by a build of {what} that "
+              "did not finish; building again", flush=True)
+    elif _speaks():
+        print(f"waiting for another process's build of {what} (its lock {lock} is "
+              f"{age:.0f} s old: delete it if no build is running)", flush=True)
+
+
 def load(builder, what: str):
     """`builder.load()` from the one folder, announced when it has to compile first."""
     _ask_cpuinfo_once()
     folder = use_extensions_dir()
+    _clear_stale_lock(folder / builder.name / "lock", what)
     if not (folder / builder.name / f"{builder.name}.so").is_file() and _speaks():
         print(f"building {what}, once per environment, ~1-2 min (into {folder})", flush=True)
     return builder.load()

@@ -118,6 +118,29 @@ def test_op_builds_are_announced_once_and_cached_per_environment(tmp_path, monke
     assert capsys.readouterr().out == "" and builder.loads == 3
 
 
+def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch, capsys):
+    """torch waits for a build's lock file forever: one a killed build left would hang every
+    later run; one of a build still running makes the load wait, and says so."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("PATH", os.environ.get("PATH", ""))
+    lock = tmp_path / "ext" / "fake_op" / "lock"
+    lock.parent.mkdir(parents=True)
+    (lock.parent / "fake_op.so").write_bytes(b"")
+    lock.touch()
+    old = lock.stat().st_mtime - ops.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    builder = FakeBuilder()
+    ops.load(builder, "the fake op")
+    assert not lock.exists() and builder.loads == 1
+    assert capsys.readouterr().out == (f"removed {lock}, left {(ops.STALE_LOCK_S + 60) // 60} "
+                                       "min ago by a build of the fake op that did not finish; "
+                                       "building again\n")
+    lock.touch()  # a build running now
+    ops.load(builder, "the fake op")
+    assert lock.exists() and "waiting for another process's build of the fake op" in \
+        capsys.readouterr().out
+
+
 def test_op_builds_run_this_environments_ninja(tmp_path, monkeypatch):
     """Whether the environment is activated or run by path, its ops are built and checked
     by its own ninja: two ninja versions in turn rebuilt them at every switch."""
