@@ -100,7 +100,10 @@ def _clear_stale_lock(lock: Path, what: str) -> None:
     except FileNotFoundError:
         return
     if age > STALE_LOCK_S:
-        lock.unlink(missing_ok=True)
+        try:
+            lock.unlink()
+        except FileNotFoundError:  # another rank of the node removed it: it says so
+            return
         print(f"removed {lock}, left {age / 60:.0f} min ago by a build of {what} that "
               "did not finish; building again", flush=True)
     elif _speaks():
