@@ -1,10 +1,11 @@
-"""megatron-core's and DeepSpeed's compile decorators compile at a function's first call,
-not at import."""
+"""What megatron-core and DeepSpeed import but a run may not use is loaded at first use:
+their compile decorators compile at a function's first call, and wandb's code runs at the
+first use of one of its attributes."""
 
 import subprocess
 import sys
 
-from megatron_stem import lazy_compile  # before megatron-core: its import installs the hook
+from megatron_stem import lazy_imports  # before megatron-core: its import installs the hook
 
 
 def test_the_decorator_runs_once_at_the_first_call():
@@ -14,7 +15,7 @@ def test_the_decorator_runs_once_at_the_first_call():
         applied.append(fn)
         return lambda x: fn(x) + 1
 
-    @lazy_compile.lazy(decorator)
+    @lazy_imports.lazy(decorator)
     def double(x):
         return 2 * x
 
@@ -38,6 +39,21 @@ def test_deepspeeds_muon_kernels_are_compiled_lazily():
     assert getattr(original_muon.zeropower_via_newtonschulz5, "lazily_decorated", False)
 
 
+def imports(code: str) -> str:
+    """The last line `code` prints, run in a fresh interpreter."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.split("\n")[-2]
+
+
+def test_wandb_runs_at_its_first_use_not_at_megatrons_import():
+    """megatron-core imports wandb at start-up (its inference context and timers); its
+    ~1 s runs only when a run logs there."""
+    code = ("import sys, megatron_stem.train, megatron.core.timers, wandb; "
+            "before = 'wandb.sdk' in sys.modules; wandb.Settings; "
+            "print(before, 'wandb.sdk' in sys.modules, callable(wandb.init))")
+    assert imports(code) == "False True True"
+
+
 def test_importing_the_trainer_imports_no_compiler():
     """The ~4 s of TorchDynamo and Inductor are not paid by a rank that never compiles
     (nor is the varlen attention kernel's module, which imports TorchDynamo: the model
@@ -45,6 +61,4 @@ def test_importing_the_trainer_imports_no_compiler():
     code = ("import sys, megatron_stem.train, megatron.core.transformer, "
             "deepspeed.runtime.zero.muon.muon_optimizer; "
             "print(any(m in sys.modules for m in ('torch._inductor', 'torch._dynamo')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout.split("\n")[-2]
-    assert out == "False"
+    assert imports(code) == "False"
