@@ -91,6 +91,9 @@ def _ask_cpuinfo_once() -> None:
 # is older than this only when its build was killed (a build takes a few minutes): every
 # later load would wait for it forever.
 STALE_LOCK_S = 30 * 60
+# Another rank's load holds the lock while ninja checks a built op is up to date: well under
+# a second, seconds on a loaded node. A lock still there after this is a build: said.
+QUIET_WAIT_S = 10.0
 
 
 def _clear_stale_lock(lock: Path, what: str) -> None:
@@ -106,9 +109,14 @@ def _clear_stale_lock(lock: Path, what: str) -> None:
             return
         print(f"removed {lock}, left {age / 60:.0f} min ago by a build of {what} that "
               "did not finish; building again", flush=True)
-    elif _speaks():
+        return
+    waited = 0.0
+    while lock.exists() and waited < QUIET_WAIT_S:
+        time.sleep(0.1)
+        waited += 0.1
+    if lock.exists() and _speaks():
         print(f"waiting for another process's build of {what} (its lock {lock} is "
-              f"{age:.0f} s old: delete it if no build is running)", flush=True)
+              f"{age + waited:.0f} s old: delete it if no build is running)", flush=True)
 
 
 def load(builder, what: str):
