@@ -12,6 +12,8 @@ import torch
 
 import megatron_stem  # noqa: F401  (first of ours: before any test module imports megatron-core)
 
+import launcher
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "tests" / "workers"
 # The tables' path refuses host memory handed to a collective, as NCCL would on a GPU node
@@ -54,14 +56,13 @@ def tensorboard_steps(folder, tag: str) -> list[int]:
 def torchrun(nproc: int, script: str, *args: str, timeout: int = 600, exit_code: int = 0) -> str:
     """Run tests/workers/<script> under torchrun with `nproc` gloo ranks; its stdout (and
     stderr, when `exit_code` is not 0: the run is expected to fail with it); fail the test
-    with its log when it exits otherwise."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={_free_port()}", str(WORKERS / script), *map(str, args)]
+    with its log when it exits otherwise. (torchrun's launcher is forked from one that
+    imported it: tests/launcher.py.)"""
     env = subprocess_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, cwd=WORKERS, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = launcher.torchrun([f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
+                              str(WORKERS / script), *map(str, args)], env, WORKERS, timeout)
     if proc.returncode != exit_code:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n"
+        pytest.fail(f"{' '.join(proc.args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n"
                     f"{proc.stderr[-8000:]}")
     return proc.stdout + (proc.stderr if exit_code else "")
 
