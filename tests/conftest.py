@@ -1,5 +1,6 @@
 import functools
 import importlib.util
+import json
 import os
 import re
 import socket
@@ -13,6 +14,7 @@ import torch
 import megatron_stem  # noqa: F401  (first of ours: before any test module imports megatron-core)
 
 import launcher
+from training_runs import progressions, write_documents
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "tests" / "workers"
@@ -104,6 +106,52 @@ def world1():
     destroy_distributed()
 
 
+# --- the trainer's end-to-end runs (tests/test_training*.py) ---
+
+@pytest.fixture(scope="session")
+def toy_data(tmp_path_factory):
+    """400 arithmetic-progression documents over a 300-token vocabulary (eod = 299)."""
+    return write_documents(str(tmp_path_factory.mktemp("data") / "toy"), 0, progressions())
+
+
+@pytest.fixture(scope="session")
+def train(toy_data, tmp_path_factory):
+    """`train(nproc, *overrides, ...)`: a trainer run's result, its log and folders
+    (tests/workers/train_worker.py on `toy_data`). A plain run (its own folder, nothing
+    planted or stopped) is run once per session (per xdist worker) and shared by the tests
+    that ask for the same one, in any file: its folders are read-only to them."""
+    done = {}
+
+    def shared(nproc, *overrides, name="run", **options):
+        if options:
+            return run(nproc, *overrides, name=name, **options)
+        key = (nproc, overrides)
+        if key not in done:
+            done[key] = run(nproc, *overrides, name=name)
+        return done[key]
+
+    def run(nproc, *overrides, name="run", save_dir=None, preempt_at=0, rss=False,
+            delay_rest=0.0, plant_nan=0, exit_code=0):
+        folder = tmp_path_factory.mktemp(name)
+        out = folder / "result.json"
+        options = ["--data", toy_data, "--out", out, "--preempt-at", preempt_at,
+                   "--delay-rest", delay_rest, "--plant-nan", plant_nan,
+                   *(["--rss"] if rss else [])]
+        save_dir = save_dir or folder / "ckpt"
+        log = torchrun(nproc, "train_worker.py", *options, f"train.save_dir={save_dir}",
+                       *overrides, exit_code=exit_code)
+        result = json.loads(out.read_text()) if out.is_file() else {}
+        return {**result, "folder": folder, "save_dir": save_dir, "log": log}
+    return shared
+
+
+@pytest.fixture(scope="session")
+def reference(train):
+    """The single-rank runs every layout's curve is compared with, one per table update."""
+    return {update: train(1, f"optimizer.tables.update={update}", name=f"ref_{update}")
+            for update in ("lazy", "dense")}
+
+
 # --- data preparation: a real English corpus and tokenizers built from it, once per run ---
 
 CORPUS = ROOT / "data_corpus" / "gcide.jsonl.gz"
@@ -156,7 +204,7 @@ def hf_tokenizer(tmp_path_factory, corpus_texts) -> str:
 # --- knowledge editing and analysis: tiny STEM and dense models that learned facts, once ---
 
 
-def pytest_collection_modifyitems(items):
+def _mark_facts_model_tests(items) -> None:
     """A test that needs `facts_models` (a minute of training) is an integration test."""
     for item in items:
         if "facts_models" in item.fixturenames:
@@ -241,3 +289,29 @@ def run_lm_eval_cli(export: Path, tasks: Path, names: list[str], tmp: Path,
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     (results,) = out.rglob("results_*.json")
     return json.loads(results.read_text())
+
+
+# --- the order the files run in ---
+
+# The slowest files, slowest first (measured serially, README "Tests"). The suite runs on
+# two xdist workers, a file at a time each, in this order (pyproject.toml: `--dist loadfile
+# --no-loadscope-reorder`): a worker takes the next file when it is free, so a long file
+# left to the end would run alone on one core while the other waits. Files not named run
+# after these, in their usual order.
+SLOWEST_FIRST = [
+    "test_training_state.py", "test_training.py", "test_training_tables.py",
+    "test_parallel_parity.py", "test_training_instruments.py", "test_gpu_script.py",
+    "test_training_stages.py", "test_slurm.py", "test_analysis.py", "test_hf.py",
+    "test_training_guard.py", "test_output.py", "test_quickstart.py", "test_planner.py",
+    "test_quality_bench.py", "test_preprocess_identity.py", "test_host_tables.py",
+]
+
+
+def _slowest_files_first(items) -> None:
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
+
+
+def pytest_collection_modifyitems(items):
+    _mark_facts_model_tests(items)
+    _slowest_files_first(items)

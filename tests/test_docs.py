@@ -287,7 +287,7 @@ def test_readme_commands_read_only_what_the_checkout_has_or_an_earlier_command_w
 def test_readme_setup_commands_are_the_ones_ci_and_the_quickstart_test_run():
     lines = command_lines("README.md")
     install = "python3 -m venv .venv && .venv/bin/pip install -q -r requirements-dev.txt"
-    tests = f"{install} && .venv/bin/python tools/build_ops.py && .venv/bin/python -m pytest -q"
+    tests = f"{install} && .venv/bin/python tools/build_ops.py && .venv/bin/python -m pytest -q -n 2"
     assert tests in lines
     ci = (ROOT / ".ci" / "run").read_text().replace("&&\n", "&& ")
     ci_chain = next(" ".join(line.split()) for line in ci.splitlines() if "pytest" in line)

@@ -1,7 +1,8 @@
 """Host-resident tables (`tables.placement: host`): staging, ordering, cache, ownership.
 
 The trainer end to end (host placement against the device-resident reference curve, DP=2
-on one shared copy, recompute, cache) is in test_training.py, next to its reference runs.
+on one shared copy, recompute, cache) is in test_training_tables.py and
+test_training_instruments.py, against the session's reference runs.
 """
 
 import json

@@ -1,7 +1,7 @@
 """lm-eval in the loop: `MegatronLM` (evaluation/lm_eval_adapter.py) scores what one plain
 forward of each request gives, however it batches, pads and truncates (the export and
-lm-eval give the same scores: the trainer's run in test_training.py), and the section's
-mistakes are one line before training starts (evaluation/in_loop.py)."""
+lm-eval give the same scores: the trainer's run in test_training_instruments.py), and the
+section's mistakes are one line before training starts (evaluation/in_loop.py)."""
 
 import pytest
 import torch
