@@ -1,8 +1,11 @@
+import fcntl
 import functools
 import importlib.util
 import json
 import os
+import pickle
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -106,6 +109,24 @@ def world1():
     destroy_distributed()
 
 
+def once_per_run(tmp_path_factory, name: str, make):
+    """`make(folder)`'s result, made once per test run by whichever xdist worker asks
+    first; the others wait for it, then read it. (A session fixture is made once per
+    worker.) For work whose result is on disk, read-only to its tests, and pickles."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder, done = shared / name, shared / f"{name}.pickle"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.is_file():
+            shutil.rmtree(folder, ignore_errors=True)  # a worker that failed making it
+            folder.mkdir()
+            partial = done.with_suffix(".partial")
+            partial.write_bytes(pickle.dumps(make(folder)))
+            partial.rename(done)
+        return pickle.loads(done.read_bytes())
+
+
 # --- the trainer's end-to-end runs (tests/test_training*.py) ---
 
 @pytest.fixture(scope="session")
@@ -146,10 +167,12 @@ def train(toy_data, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def reference(train):
-    """The single-rank runs every layout's curve is compared with, one per table update."""
-    return {update: train(1, f"optimizer.tables.update={update}", name=f"ref_{update}")
-            for update in ("lazy", "dense")}
+def reference(train, tmp_path_factory):
+    """The single-rank runs every layout's curve is compared with, one per table update
+    (made once per run: most trainer test files ask for them)."""
+    return once_per_run(tmp_path_factory, "reference", lambda _: {
+        update: train(1, f"optimizer.tables.update={update}", name=f"ref_{update}")
+        for update in ("lazy", "dense")})
 
 
 # --- data preparation: a real English corpus and tokenizers built from it, once per run ---
@@ -214,16 +237,18 @@ def _mark_facts_model_tests(items) -> None:
 @pytest.fixture(scope="session")
 def facts_models(world1, tmp_path_factory):
     """`workers/facts.py`'s STEM model and dense control, trained in this process and
-    saved as checkpoints whose recipes name the word-level tokenizer (about a minute)."""
+    saved as checkpoints whose recipes name the word-level tokenizer (about a minute, once
+    per run: test_editing.py and test_analysis.py may run on different workers)."""
     from types import SimpleNamespace
 
     from workers import facts
 
-    root = tmp_path_factory.mktemp("facts")
-    tokenizer = facts.write_tokenizer(root / "tokenizer")
-    stem = facts.train(root / "stem", tokenizer, facts.STEM_LAYERS)
-    dense = facts.train(root / "dense", tokenizer, "none")
-    return SimpleNamespace(root=root, tokenizer=tokenizer, stem=stem, dense=dense)
+    def make(root):
+        tokenizer = facts.write_tokenizer(root / "tokenizer")
+        stem = facts.train(root / "stem", tokenizer, facts.STEM_LAYERS)
+        dense = facts.train(root / "dense", tokenizer, "none")
+        return SimpleNamespace(root=root, tokenizer=tokenizer, stem=stem, dense=dense)
+    return once_per_run(tmp_path_factory, "facts", make)
 
 
 # --- lm-evaluation-harness tasks over local files (offline) ---

@@ -1,6 +1,6 @@
 """Knowledge editing through STEM rows, on a tiny model that learned templated facts.
 
-`facts_models` (conftest) trains a STEM model and its dense control once per session on
+`facts_models` (conftest) trains a STEM model and its dense control once per run on
 "the capital of X is Y ." facts (`workers/facts.py`). Remapping X's lookups onto Z's rows
 must make the STEM model answer Z's capital while every other prompt keeps its
 distribution; the dense control, which has no rows, must not move at all.
