@@ -61,8 +61,8 @@ def tensorboard_steps(folder, tag: str) -> list[int]:
 def torchrun(nproc: int, script: str, *args: str, timeout: int = 600, exit_code: int = 0) -> str:
     """Run tests/workers/<script> under torchrun with `nproc` gloo ranks; its stdout (and
     stderr, when `exit_code` is not 0: the run is expected to fail with it); fail the test
-    with its log when it exits otherwise. (torchrun's launcher is forked from one that
-    imported it: tests/launcher.py.)"""
+    with its log when it exits otherwise. (torchrun's launcher, and its ranks, are forked
+    from a process that imported the libraries: tests/launcher.py.)"""
     env = subprocess_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = launcher.torchrun([f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
                               str(WORKERS / script), *map(str, args)], env, WORKERS, timeout)
@@ -318,17 +318,18 @@ def run_lm_eval_cli(export: Path, tasks: Path, names: list[str], tmp: Path,
 
 # --- the order the files run in ---
 
-# The slowest files, slowest first (measured serially, README "Tests"). The suite runs on
-# two xdist workers, a file at a time each, in this order (pyproject.toml: `--dist loadfile
-# --no-loadscope-reorder`): a worker takes the next file when it is free, so a long file
-# left to the end would run alone on one core while the other waits. Files not named run
-# after these, in their usual order.
+# The slowest files, slowest first (their test time under `-n 2`, README "Tests"). The
+# suite runs on two xdist workers, a file at a time each, in this order (pyproject.toml:
+# `--dist loadfile --no-loadscope-reorder`): a worker takes the next file when it is free,
+# so a long file left to the end would run alone on one core while the other waits. Files
+# not named run after these, in their usual order.
 SLOWEST_FIRST = [
-    "test_training_state.py", "test_training.py", "test_training_tables.py",
-    "test_parallel_parity.py", "test_training_instruments.py", "test_gpu_script.py",
-    "test_training_stages.py", "test_slurm.py", "test_analysis.py", "test_hf.py",
-    "test_training_guard.py", "test_output.py", "test_quickstart.py", "test_planner.py",
-    "test_quality_bench.py", "test_preprocess_identity.py", "test_host_tables.py",
+    "test_training_instruments.py", "test_slurm.py", "test_gpu_script.py",
+    "test_training_state.py", "test_quickstart.py", "test_hf.py", "test_analysis.py",
+    "test_training.py", "test_training_tables.py", "test_output.py",
+    "test_preprocess_identity.py", "test_quality_bench.py", "test_training_guard.py",
+    "test_parallel_parity.py", "test_planner.py", "test_preprocess.py", "test_lm_eval.py",
+    "test_editing.py", "test_lazy_imports.py", "test_training_stages.py",
 ]
 
 
