@@ -26,7 +26,7 @@ WORKERS = ROOT / "tests" / "workers"
 os.environ.setdefault("STEM_CHECK_HOST_TENSORS", "1")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -64,7 +64,7 @@ def torchrun(nproc: int, script: str, *args: str, timeout: int = 600, exit_code:
     with its log when it exits otherwise. (torchrun's launcher, and its ranks, are forked
     from a process that imported the libraries: tests/launcher.py.)"""
     env = subprocess_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = launcher.torchrun([f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
+    proc = launcher.torchrun([f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
                               str(WORKERS / script), *map(str, args)], env, WORKERS, timeout)
     if proc.returncode != exit_code:
         pytest.fail(f"{' '.join(proc.args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n"

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 def test_the_gpu_script_runs_at_toy_sizes_and_fits_its_time(tmp_path):
     script = (ROOT / "bench" / "gpu" / "run_all.sh").read_text()
     # Each command fits the device's 600 s per command, all of them its 8 minutes.
-    timeouts = [int(t) for t in re.findall(r"^\s*timeout (\d+) ", script, re.M)]
+    timeouts = [int(t) for t in re.findall(r"^\s*limit (\d+) ", script, re.M)]
     assert timeouts and max(timeouts) <= 600 and sum(timeouts) <= 480, timeouts
     env = subprocess_env(DRY_RUN="1", OUT=str(tmp_path), OMP_NUM_THREADS="1",
                          PYTHON=sys.executable)

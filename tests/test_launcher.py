@@ -1,5 +1,5 @@
 """The suite's torchrun (tests/launcher.py): ranks forked from a process that imported the
-libraries start as the command's exec'd ranks would."""
+libraries start as the command's exec'd ranks do."""
 
 import json
 import subprocess
@@ -7,24 +7,25 @@ import sys
 
 import pytest
 
-from conftest import WORKERS, subprocess_env, torchrun
+from conftest import WORKERS, free_port, subprocess_env, torchrun
 
 pytestmark = pytest.mark.integration  # torchrun
 
 SCRIPT = WORKERS / "rank_start.py"
 
 
-def test_a_forked_rank_starts_as_a_new_interpreter_would(tmp_path):
-    out = tmp_path / "report"
-    log = torchrun(2, SCRIPT.name, out, "done")
+def test_a_forked_rank_starts_as_the_commands_exec_d_rank_would(tmp_path):
+    log = torchrun(2, SCRIPT.name, tmp_path / "forked", "done")
     assert sorted(log.splitlines()) == ["rank 0 started", "rank 1 started"]
+    # The command itself: `python -m torch.distributed.run`, its agent exec'ing the ranks.
     env = subprocess_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    subprocess.run([sys.executable, "-u", str(SCRIPT), str(out), "done"], cwd=WORKERS,
-                   env=env, check=True, capture_output=True)
-    fresh = json.loads((tmp_path / "report.alone").read_text())
-    assert fresh["threads"] == 1 and fresh["unbuffered"] == [True, True]
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                    f"--master_port={free_port()}", str(SCRIPT), str(tmp_path / "exec"),
+                    "done"], cwd=WORKERS, env=env, check=True, capture_output=True)
     for rank in (0, 1):
-        assert json.loads((tmp_path / f"report.{rank}").read_text()) == fresh
+        execd = json.loads((tmp_path / f"exec.{rank}").read_text())
+        assert execd["threads"] == 1 and execd["unbuffered"] == [True, True]
+        assert json.loads((tmp_path / f"forked.{rank}").read_text()) == execd
 
 
 def test_a_rank_that_exits_with_a_code_fails_the_launch(tmp_path):

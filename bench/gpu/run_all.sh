@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the planner needs from one H200, in one run of under 8 minutes (the stages'
-# timeouts add up to 480 s):
+# limits add up to 480 s):
 #  0. a correctness smoke of the GPU-only paths (bench/gpu_smoke.py: bf16 through DeepSpeed,
 #     the tables' state on the GPU, next_step against none, host placement's staging);
 #  1. refit the `h200` profile's single-GPU constants (achieved MFU of the forward/backward
@@ -30,48 +30,52 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
     PY="${PYTHON:-python3}"
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     TINY=(--tiny); PRESET=tiny; STEPS=1; SMOKE=(--dry-run); NODE=2,1
+    # The limits are the GPU run's; toy sizes on a CPU that other jobs share (the test
+    # suite's other worker) can take longer, and what a dry run checks is the steps.
+    LIMIT_SCALE=5
 else
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
     PY=python3
-    TINY=(); PRESET=gpu-1b; STEPS=2; SMOKE=(); NODE=8,2
+    TINY=(); PRESET=gpu-1b; STEPS=2; SMOKE=(); NODE=8,2; LIMIT_SCALE=1
     export TORCH_EXTENSIONS_DIR=/tmp/torch_extensions  # DeepSpeed's JIT ops
 fi
 PROFILE="$OUT/h200.json"
 start=$SECONDS
 stamp() { echo "[run_all] $(( SECONDS - start )) s: $*"; }
+limit() { local seconds=$1; shift; timeout $(( seconds * LIMIT_SCALE )) "$@"; }
 
 # DeepSpeed's CPU Adam JIT-builds on first use (about a minute); without it the tables
 # run the torch kernel and the profile keeps the torch rate for both.
 stamp "building DeepSpeed cpu_adam and the tables' row Adam"
 KERNEL=deepspeed
-timeout 90 "$PY" -c "from megatron_stem import ops; ops.load_cpu_adam(); ops.load_row_adam()" \
+limit 90 "$PY" -c "from megatron_stem import ops; ops.load_cpu_adam(); ops.load_row_adam()" \
     > "$OUT/cpu_adam_build.log" 2>&1 || { KERNEL=torch; stamp "cpu_adam unavailable: torch kernel"; }
 
 stamp "smoke: the GPU-only paths"
-timeout 120 "$PY" bench/gpu_smoke.py "${SMOKE[@]}" \
+limit 120 "$PY" bench/gpu_smoke.py "${SMOKE[@]}" \
     2> "$OUT/smoke.err" | tee "$OUT/smoke.txt" || { tail -20 "$OUT/smoke.err"; exit 1; }
 
 stamp "refitting the h200 profile and its GEMM curve"
-timeout 60 "$PY" -m megatron_stem.planning.calibrate --gpu h200 "${TINY[@]}" \
+limit 60 "$PY" -m megatron_stem.planning.calibrate --gpu h200 "${TINY[@]}" \
     --kernel "$KERNEL" --out "$PROFILE" > "$OUT/calibrate.log" 2>&1 \
     || { tail -20 "$OUT/calibrate.log"; exit 1; }
 cat "$PROFILE"
 
 stamp "dense vs STEM steps, each part timed; the step boundary, CPU and GPU state"
-timeout 110 "$PY" bench/plan_calibration.py --preset "$PRESET" --dp 1 --steps "$STEPS" \
+limit 110 "$PY" bench/plan_calibration.py --preset "$PRESET" --dp 1 --steps "$STEPS" \
     --variants dense,device/dense/sharded/next_step/cpu,device/dense/sharded/next_step/accelerator \
     --segment --kernel "$KERNEL" \
     --profile "$PROFILE" 2> "$OUT/components.err" | tee "$OUT/components.txt"
 
 stamp "the tables' row Adam as concurrent ranks ($NODE processes,threads)"
-timeout 40 "$PY" bench/plan_calibration.py --node-model "$NODE" --preset "$PRESET" \
+limit 40 "$PY" bench/plan_calibration.py --node-model "$NODE" --preset "$PRESET" \
     2> "$OUT/node.err" | tee "$OUT/node.txt"
 
 stamp "the planner on 4 x 8 H200 with the refit constants"
 PAIR=(--recipe recipes/stem_1b.yaml --baseline recipes/dense_1b.yaml --nodes 4
       --gpus-per-node 8 --hardware h200 --profile "$PROFILE")
-timeout 10 "$PY" tools/plan_step.py "${PAIR[@]}" > "$OUT/plan_today.txt"
-timeout 10 "$PY" tools/plan_step.py "${PAIR[@]}" --choose best > "$OUT/plan_best.txt"
+limit 10 "$PY" tools/plan_step.py "${PAIR[@]}" > "$OUT/plan_today.txt"
+limit 10 "$PY" tools/plan_step.py "${PAIR[@]}" --choose best > "$OUT/plan_best.txt"
 tail -n 1 "$OUT/plan_today.txt" "$OUT/plan_best.txt"
 stamp "done; results in $OUT"

@@ -1,4 +1,4 @@
-"""Writes how this process started (what `python -u` and a new interpreter give), then
+"""Writes how this process started (what torchrun and a new interpreter gave it), then
 exits with the code it is given (`sys.exit(main())`, as the workers do).
 
     rank_start.py OUT (done | EXIT_CODE)
@@ -16,7 +16,6 @@ import torch
 def main():
     report = {
         "name": __name__,
-        "argv": sys.argv[1:],
         "path0": sys.path[0],
         "signals": {s.name: repr(signal.getsignal(s)) for s in
                     (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)},
