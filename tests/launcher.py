@@ -66,7 +66,8 @@ def _launch(args: list[str], env: dict, cwd: str, out: str, err: str) -> None:
     os.environ.update(env)
     if env.get("PYTHONWARNINGS") == "ignore":  # read at start-up by a fresh interpreter
         warnings.simplefilter("ignore")
-    sys.stdout.flush(), sys.stderr.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     for fd, path in ((1, out), (2, err)):
         file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(file, fd)
