@@ -5,9 +5,10 @@ DeepSpeed and our trainer (and TorchDynamo, which torch.optim imports at the fir
 before it runs a line of the test, and the suite starts ~150 ranks on two cores. Here each
 run's launcher is a fork of one server process that imported all of that once
 (multiprocessing's forkserver, itself a fresh interpreter), and it runs torchrun's own
-`main` with the same arguments, environment and working folder as the command line would,
-plus torchrun's `--run-path --start-method=fork`: its elastic agent forks each rank, which
-runs the script with `runpy.run_path` as `__main__`. The rendezvous, the ranks'
+argument parsing and elastic launch with the same arguments, environment and working
+folder as the command line would, plus torchrun's `--run-path --start-method=fork`: its
+elastic agent forks each rank, which runs the script with `runpy.run_path` as `__main__`
+(`_rank`, not torchrun's own rank function: see `_launch`). The rendezvous, the ranks'
 environment, the gloo groups, the agent's monitoring and its stopping of the ranks are
 torchrun's, unchanged. A forked rank is made to start as an exec'd one would (`_launch`,
 `_rank`): unbuffered output (`-u`), one intra-op thread (OMP_NUM_THREADS, which

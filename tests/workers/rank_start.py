@@ -1,4 +1,4 @@
-"""Writes how this process started (what torchrun and a new interpreter gave it), then
+"""A torchrun rank: writes how it started (what torchrun and a new interpreter gave it), then
 exits with the code it is given (`sys.exit(main())`, as the workers do).
 
     rank_start.py OUT (done | EXIT_CODE)
@@ -23,9 +23,9 @@ def main():
         "unbuffered": [isinstance(s.buffer, io.FileIO) or s.write_through
                        for s in (sys.stdout, sys.stderr)],
     }
-    with open(f"{sys.argv[1]}.{os.environ.get('RANK', 'alone')}", "w") as f:
+    with open(f"{sys.argv[1]}.{os.environ['RANK']}", "w") as f:
         json.dump(report, f)
-    print(f"rank {os.environ.get('RANK', 'alone')} started")
+    print(f"rank {os.environ['RANK']} started")
     return None if sys.argv[2] == "done" else int(sys.argv[2])
 
 
