@@ -188,6 +188,13 @@ def test_boundary_passes_by_hand():
     rows, owned = 10 * 16, 8 * 16  # this rank's rows, all tables; the owned ones
     assert passes.pack_bytes(SHAPE, fp32, COUNTS) == 2 * rows * 2 * 4 + rows * 4 * 3 + \
         owned * 4 + 2 * owned * 4
+    # The publication's placing at DP4 of 300 bytes received (100 from each other owner):
+    # a separate bf16 table takes them and its own 100 (index_copy_, read + write); a CPU
+    # fp32 table is its own master: it takes the 300 and gives its own 100 out for the
+    # all-gather (index_select)
+    assert passes.placed_bytes(lay, 300) == 400 and passes.place_bytes(lay, 300) == 800
+    own = layout("sharded", grad_bytes=4, param_bytes=4, device_is_host=True)
+    assert passes.placed_bytes(own, 300) == 300 and passes.place_bytes(own, 300) == 800
 
 
 def test_the_backbone_reduction_overlaps_the_last_backward():

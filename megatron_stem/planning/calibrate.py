@@ -13,9 +13,9 @@ scattered rows), the torch kernel's arithmetic, torch.optim.AdamW (the backbone'
 on CPU), a row gather, a copy into a reused buffer and one into a newly allocated one
 (large buffers are fresh pages every time: page faults, several times slower), the step
 boundary's collection of row gradients (RowGradSum through its hooks), the owners' sums,
-the norm's squares, the forward/backward FLOP/s of the calibration model, and gloo's
-all-reduce, all-to-all and all-gather on one rank per core (CPU time per byte moved) with
-the CPU time of a one-element all-reduce.
+the norm's squares, the publication's placing of gathered rows, the forward/backward
+FLOP/s of the calibration model, and gloo's all-reduce, all-to-all and all-gather on one
+rank per core (CPU time per byte moved) with the CPU time of a one-element all-reduce.
 
 GPU (`--gpu`): the single-GPU constants of a published profile refit on this machine's GPU
 (`measure_gpu`), what bench/gpu/run_all.sh runs on a lent H200.
@@ -260,6 +260,7 @@ def measure_cpu(progress=stderr_progress) -> Hardware:
         torch_adam_rate=rate["torch_adam_rate"], cores=cores,
         backbone_adam_rate=rate["backbone_adam_rate"], alloc_copy_bw=rate["alloc_copy_bw"],
         row_grads_bw=rate["row_grads_bw"], pack_bw=rate["pack_bw"], norm_bw=rate["norm_bw"],
+        place_bw=rate["place_bw"],
         device_is_host=True, gloo_allreduce_busbw=gloo["allreduce_busbw"],
         gloo_alltoall_bw=gloo["alltoall_bw"], gloo_allgather_bw=gloo["allgather_bw"],
         collective_latency=gloo["latency"], version=PROFILE_VERSION)

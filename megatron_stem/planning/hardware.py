@@ -66,7 +66,7 @@ MMAP_THRESHOLD = 32 << 20
 CACHE_DIR = Path.home() / ".cache" / "megatron_stem" / "planner"
 # A `cpu` profile measured by another version of calibrate.py is not read (its fields or
 # their meaning differ): raise with each change of what it measures.
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 MEASURE_COMMAND = "python -m megatron_stem.planning.calibrate"
 
 # One bf16 GEMM's fraction of peak by its FLOPs (module docstring), H100/H200 SXM.
@@ -114,10 +114,13 @@ class Hardware:
     row_adam_bytes_per_element: int = 30
     # CPU profile only, measured with the trainer's own functions (bytes by the planner's
     # count of each op, over its CPU time): collecting a step's row gradients
-    # (RowGradSum.take), the norm's squares, the owners' packing and sums; 0: memory_bw
+    # (RowGradSum.take), the norm's squares, the owners' packing and sums, the
+    # publication's placing of gathered rows into the table (`passes.place_bytes`: row
+    # scatters and gathers, several times slower than a copy on a CPU); 0: memory_bw
     row_grads_bw: float = 0.0
     norm_bw: float = 0.0
     pack_bw: float = 0.0
+    place_bw: float = 0.0
     # the row op's elements/s on one core when a shard's rows are not consecutive in the
     # master (an fp32 CPU table that is its own master); 0: cpu_adam_rate
     scattered_adam_rate: float = 0.0

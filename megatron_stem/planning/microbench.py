@@ -195,6 +195,32 @@ def norm_bw() -> float:
     return counts.owned_rows * TABLE_WIDTH * STEP_TABLES * passes.NORM_BYTES_PER_ELEMENT / seconds
 
 
+def place_bw() -> float:
+    """Bytes/s (`passes.place_bytes`, sharded DP2, the calibration model's fp32 tables,
+    their own masters) of the publication's placing in its own ops (shards.py
+    `gather_shards`): each table's own updated rows gathered out of it for the all-gather
+    (`index_select` into a reused buffer), the other owner's rows put into it (`index_copy_`),
+    both at the rows of a shard (interleaved over the table)."""
+    from megatron_stem.training.tables.shards import interleaved_order
+
+    rows = TABLE_VOCAB // 2
+    order = interleaved_order(TABLE_VOCAB)
+    mine, theirs = order[:rows], order[rows:]
+    tables = [torch.randn(TABLE_VOCAB, TABLE_WIDTH) for _ in range(STEP_TABLES)]
+    own = torch.empty(rows, TABLE_WIDTH)
+    received = torch.randn(rows, TABLE_WIDTH)
+
+    def place():
+        for table in tables:
+            torch.index_select(table, 0, mine, out=own)
+            table.index_copy_(0, theirs, received)
+
+    lay = Layout("device", "dense", "sharded", "cpu", dp=2, ranks_per_copy=2, grad_bytes=4,
+                 param_bytes=4, device_is_host=True)
+    gathered = STEP_TABLES * received.numel() * received.element_size()
+    return passes.place_bytes(lay, gathered) / best(place)
+
+
 def rank_rates(kernel: str = "deepspeed") -> dict:
     """One rank's CPU rates (one thread), at the calibration step's sizes."""
     torch.set_num_threads(1)
@@ -204,4 +230,5 @@ def rank_rates(kernel: str = "deepspeed") -> dict:
             "torch_adam_rate": flat_adam_rate("torch"),
             "backbone_adam_rate": optimizer_rate(),
             "gather_bw": gather, "memory_bw": memcpy, "alloc_copy_bw": alloc_copy_rate(),
-            "row_grads_bw": row_grads_bw(), "pack_bw": pack_bw(), "norm_bw": norm_bw()}
+            "row_grads_bw": row_grads_bw(), "pack_bw": pack_bw(), "norm_bw": norm_bw(),
+            "place_bw": place_bw()}

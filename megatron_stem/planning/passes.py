@@ -26,6 +26,9 @@ module counts what the same path does in place, per rank per step, all tables:
 * `norm_gather_bytes`: `grad_norm_sq` (in DeepSpeed's step): the owners' ids and squares
   all-gathered (`all_gather_varying`: counts, then two tensors; the counts read), their
   sum read (`float`).
+* `placed_bytes`, `place_bytes`: the sharded publication's placing of the gathered rows
+  into the table (`index_copy_`), and the own rows gathered out of a table that is its own
+  master (`index_select`).
 * `launch_*`: `next_step`'s split of the update (`_launch_overlapped`): the next step's ids'
   `unique` (on the host), the owners' `needed_by_any` (counts `.tolist()`, positions
   tagged with their stage, `unique`), the needed rows and stages copied to the state's
@@ -113,6 +116,22 @@ def norm_gather_bytes(shape: TableShape, layout: Layout, counts: RowCounts) -> f
         return 0.0
     longest = counts.longest_owned()
     return (holders - 1) * (ID_BYTES + longest * (ID_BYTES + 8 * shape.tables))
+
+
+def placed_bytes(layout: Layout, gathered: float) -> float:
+    """Sharded publication (shards.py `gather_shards`/`gather_rows`): the row bytes put into
+    this rank's table by `index_copy_`, of the `gathered` bytes received from the other
+    owners (an owner's rows are interleaved over the table, not one slice of it), and this
+    rank's own updated rows unless the table is its own master (updated in place)."""
+    own = gathered / max(layout.dp - 1, 1)
+    return gathered + (0 if layout.own_master else own)
+
+
+def place_bytes(layout: Layout, gathered: float) -> float:
+    """Read + written by the placing: `placed_bytes`, and a table that is its own master
+    has its own rows gathered out of it for the collective (`index_select`)."""
+    own = gathered / max(layout.dp - 1, 1)
+    return 2 * (placed_bytes(layout, gathered) + (own if layout.own_master else 0))
 
 
 def launch_syncs(layout: Layout) -> int:

@@ -275,22 +275,18 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
             hw.allgather_seconds(ag, w.dp, gpn, T),  # (next_step: nearly all in one phase)
             T * phases * (2 if traffic.padded_gathers(lay) else 1))
         if ag and lay.partition == "sharded":
-            # The gathered rows arrive in buffers, one per other owner (an owner's rows are
-            # interleaved over the table, not one slice of it; padded row sets are padded
-            # into one more, this rank's share), then index_copy puts them into the table:
-            # read + write. A table that is its own master has this rank's rows in place
-            # already: they are gathered out of it for the collective, not put back. On a
-            # GPU the buffers are new (the list-form all-gather's copy out of its flat
-            # buffer, into the caching allocator's blocks); in host memory reused
-            # (comm.HostBuffers: no fresh pages), except the padded gathers' own.
+            # The gathered rows arrive in buffers, one per other owner (padded row sets are
+            # padded into one more, this rank's share), then placed into the table
+            # (`passes.place_bytes`). On a GPU the buffers are new (the list-form
+            # all-gather's copy out of its flat buffer, into the caching allocator's
+            # blocks); in host memory reused (comm.HostBuffers: no fresh pages), except the
+            # padded gathers' own.
             own = ag / (w.dp - 1)
-            placed = ag + (0 if lay.own_master else own)
             fresh = 0.0 if hw.device_is_host else ag
             fresh += own if traffic.padded_gathers(lay) else 0.0
-            gathered_out = own if lay.own_master else 0.0
-            add("place gathered rows into the table (memory)", "mem", placed, "B",
-                hw.alloc_copy_seconds(fresh, rpn, own / T) +
-                hw.device_pass_seconds(2 * (placed + gathered_out), rpn))
+            add("place gathered rows into the table (memory)", "mem",
+                passes.placed_bytes(lay, ag), "B", hw.alloc_copy_seconds(fresh, rpn, own / T) +
+                hw.device_pass_seconds(passes.place_bytes(lay, ag), rpn, hw.place_bw))
     else:
         add("all-gather updated rows across nodes (fp32)", "net", ag, "B",
             hw.allgather_seconds(ag, lay.copies, 1, T), T)
