@@ -2,7 +2,8 @@
 
 Run by `calibrate.py` in one one-thread process per core at once (what a rank gets while
 the others run), timed in the process's CPU time (which other jobs on a shared machine do
-not inflate), best of a few repeats. Bytes are the planner's own counts of each op
+not inflate), best of a few repeats; the step boundary's ops on cold caches (`best`'s
+`cold`), as the trainer runs them after a backward. Bytes are the planner's own counts of each op
 (`passes.py`), so a rate measured here is what the planner divides those counts by.
 """
 
@@ -32,14 +33,25 @@ def clock():
     return time.perf_counter
 
 
-def best(fn, repeats: int = 5, timer=None, setup=None) -> float:
+# Written before each call of a `cold` measurement: more than a CPU's last-level cache
+# (32 MB here), so the call finds its inputs in DRAM.
+EVICT_BYTES = 256 << 20
+
+
+def best(fn, repeats: int = 5, timer=None, setup=None, cold: bool = False) -> float:
     """The fastest of `repeats` calls of `fn` (after a warm-up: allocations, first-touch
-    pages); `setup` runs untimed before each."""
+    pages); `setup` runs untimed before each. `cold`: each call starts with its inputs
+    out of the caches, as the step boundary's ops find the row gradients a backward made
+    (at the calibration's sizes they fit in the last-level cache of a repeated call, and
+    ran 1.2-3.5x faster there than in the trainer: the norm's squares most)."""
     timer = timer or clock()
+    evict = torch.empty(EVICT_BYTES // 4) if cold else None
     times = []
     for i in range(repeats + 1):
         if setup is not None:
             setup()
+        if evict is not None:
+            evict.fill_(float(i))
         start = timer()
         fn()
         if i:
@@ -154,7 +166,7 @@ def row_grads_bw() -> float:
         for ids in mbs:
             sum(F.embedding(ids, p, sparse=True).mul(upstream).sum() for p in tables).backward()
 
-    seconds = best(lambda: take_same_rows(sums), setup=backwards)
+    seconds = best(lambda: take_same_rows(sums), setup=backwards, cold=True)
     shape = TableShape(STEP_TABLES, TABLE_VOCAB, TABLE_WIDTH)
     return passes.collect_bytes(shape, STEP_TOKENS, _counts(mbs), 4) / seconds
 
@@ -181,7 +193,7 @@ def pack_bw() -> float:
     lay = Layout("device", "dense", "sharded", "cpu", dp=2, ranks_per_copy=2, grad_bytes=4,
                  param_bytes=4, device_is_host=True)
     shape = TableShape(STEP_TABLES, TABLE_VOCAB, TABLE_WIDTH)
-    return passes.pack_bytes(shape, lay, counts) / best(pack)
+    return passes.pack_bytes(shape, lay, counts) / best(pack, cold=True)
 
 
 def norm_bw() -> float:
@@ -191,7 +203,8 @@ def norm_bw() -> float:
     mbs = _step_ids()
     counts = _counts(mbs)
     grads = torch.randn(counts.owned_rows, STEP_TABLES * TABLE_WIDTH).split(TABLE_WIDTH, 1)
-    seconds = best(lambda: torch.stack([g.double().square().sum(1) for g in grads], 1))
+    seconds = best(lambda: torch.stack([g.double().square().sum(1) for g in grads], 1),
+                   cold=True)
     return counts.owned_rows * TABLE_WIDTH * STEP_TABLES * passes.NORM_BYTES_PER_ELEMENT / seconds
 
 
