@@ -3,8 +3,8 @@
 Run by `calibrate.py` in one one-thread process per core at once (what a rank gets while
 the others run), timed in the process's CPU time (which other jobs on a shared machine do
 not inflate), best of a few repeats; the step boundary's ops on cold caches (`best`'s
-`cold`), as the trainer runs them after a backward. Bytes are the planner's own counts of each op
-(`passes.py`), so a rate measured here is what the planner divides those counts by.
+`cold`), as the trainer runs them after a backward. Bytes are the planner's own counts of
+each op (`passes.py`), so a rate measured here is what the planner divides those counts by.
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ from megatron_stem.planning.traffic import Layout, RowCounts, TableShape
 TABLE_ROWS, TABLE_WIDTH, TABLE_VOCAB = 16000, 512, 32000
 BACKBONE_PARTITION_ELEMENTS = 10 << 20
 STEP_TOKENS, STEP_MICROBATCHES, STEP_TABLES = 1024, 2, 4
+# The calibration step's table layout, whose passes the sharded rates are counted by: DP2,
+# fp32 tables in CPU memory (their own masters).
+DP2_SHARDED = Layout("device", "dense", "sharded", "cpu", dp=2, ranks_per_copy=2,
+                     grad_bytes=4, param_bytes=4, device_is_host=True)
 
 
 def clock():
@@ -190,10 +194,8 @@ def pack_bw() -> float:
             summed.index_add_(0, where, part[:where.numel()].float())
         return summed / 2
 
-    lay = Layout("device", "dense", "sharded", "cpu", dp=2, ranks_per_copy=2, grad_bytes=4,
-                 param_bytes=4, device_is_host=True)
     shape = TableShape(STEP_TABLES, TABLE_VOCAB, TABLE_WIDTH)
-    return passes.pack_bytes(shape, lay, counts) / best(pack, cold=True)
+    return passes.pack_bytes(shape, DP2_SHARDED, counts) / best(pack, cold=True)
 
 
 def norm_bw() -> float:
@@ -228,10 +230,8 @@ def place_bw() -> float:
             torch.index_select(table, 0, mine, out=own)
             table.index_copy_(0, theirs, received)
 
-    lay = Layout("device", "dense", "sharded", "cpu", dp=2, ranks_per_copy=2, grad_bytes=4,
-                 param_bytes=4, device_is_host=True)
     gathered = STEP_TABLES * received.numel() * received.element_size()
-    return passes.place_bytes(lay, gathered) / best(place)
+    return passes.place_bytes(DP2_SHARDED, gathered) / best(place)
 
 
 def rank_rates(kernel: str = "deepspeed") -> dict:

@@ -118,20 +118,25 @@ def norm_gather_bytes(shape: TableShape, layout: Layout, counts: RowCounts) -> f
     return (holders - 1) * (ID_BYTES + longest * (ID_BYTES + 8 * shape.tables))
 
 
+def own_shard_bytes(layout: Layout, gathered: float) -> float:
+    """Of a sharded publication that received `gathered` bytes from the other owners, this
+    rank's own share (the owners' shards are equal)."""
+    return gathered / max(layout.dp - 1, 1)
+
+
 def placed_bytes(layout: Layout, gathered: float) -> float:
     """Sharded publication (shards.py `gather_shards`/`gather_rows`): the row bytes put into
     this rank's table by `index_copy_`, of the `gathered` bytes received from the other
     owners (an owner's rows are interleaved over the table, not one slice of it), and this
     rank's own updated rows unless the table is its own master (updated in place)."""
-    own = gathered / max(layout.dp - 1, 1)
-    return gathered + (0 if layout.own_master else own)
+    return gathered + (0 if layout.own_master else own_shard_bytes(layout, gathered))
 
 
 def place_bytes(layout: Layout, gathered: float) -> float:
-    """Read + written by the placing: `placed_bytes`, and a table that is its own master
-    has its own rows gathered out of it for the collective (`index_select`)."""
-    own = gathered / max(layout.dp - 1, 1)
-    return 2 * (placed_bytes(layout, gathered) + (own if layout.own_master else 0))
+    """Read + written by the placing: the other owners' rows put in, and this rank's own
+    rows touched once either way: put in (a separate table) or gathered out for the
+    collective (a table that is its own master, `index_select`)."""
+    return 2 * (gathered + own_shard_bytes(layout, gathered))
 
 
 def launch_syncs(layout: Layout) -> int:

@@ -281,7 +281,7 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
             # all-gather's copy out of its flat buffer, into the caching allocator's
             # blocks); in host memory reused (comm.HostBuffers: no fresh pages), except the
             # padded gathers' own.
-            own = ag / (w.dp - 1)
+            own = passes.own_shard_bytes(lay, ag)
             fresh = 0.0 if hw.device_is_host else ag
             fresh += own if traffic.padded_gathers(lay) else 0.0
             add("place gathered rows into the table (memory)", "mem",
