@@ -168,6 +168,7 @@ def timed_step(update, mbs, next_mbs=None) -> dict:
     counts its work wherever it runs), and it does not run into the next step's timing
     (what the overlap hides is the planner's model, not a part measured here)."""
     from megatron_stem.train import _token_mean_loss
+    from megatron_stem.training.row_grads import RowGradSum
 
     engine, tables = update.engine, update.tables
     shards = getattr(tables.partition, "shards", None)
@@ -178,6 +179,7 @@ def timed_step(update, mbs, next_mbs=None) -> dict:
                 (engine.optimizer, "reduce_independent_p_g_buckets_and_remove_grads",
                  "backbone_reduce"),
                 (tables, "_local_row_grads", "row_grads"),
+                (RowGradSum, "_sum", "row_grads"),  # (in the last backward, staged rows)
                 (tables.partition, "sync", "exchange"),
                 (tables, "sync_grads", "norm"), (tables, "grad_norm_sq", "norm"),
                 (engine, "step", "backbone_step")):

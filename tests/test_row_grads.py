@@ -1,11 +1,13 @@
 """A step's row gradients (training/row_grads.py): one order of additions for every placement."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megatron_stem.training.host_tables import HostTableStore
-from megatron_stem.training.row_grads import row_grads_of
+from megatron_stem.training.row_grads import StepRows, row_grads_of
 from workers.common import HostTable
 
 VOCAB, WIDTH = 40, 16
@@ -79,3 +81,85 @@ def test_a_dense_table_gradient_is_refused():
     assert row_grads_of(table) is sums  # one per parameter, one hook
     with pytest.raises(RuntimeError, match=r"gradient is dense, of shape \(40, 16\): .*sparse_grad"):
         F.embedding(torch.tensor([[1, 2]]), table).sum().backward()
+
+
+class _Streams:
+    """A side stream's protocol (training/tables/streams.py) that records what is asked of
+    it, and in which backward state."""
+
+    def __init__(self):
+        self.calls = []
+
+    def hand_over(self, tensors):
+        self.calls.append(("hand_over", [t.data_ptr() for t in tensors]))
+
+    @contextlib.contextmanager
+    def running(self):
+        self.calls.append(("running",))
+        yield
+
+    def mark(self):
+        self.calls.append(("mark",))
+        return "event"
+
+    def wait(self, event):
+        self.calls.append(("wait", event))
+
+
+def _staged_backwards(param, mbs, scales, streams, patch=None):
+    """The step's backwards of `param` looked up with `mbs`, staged ahead with `streams`
+    (None: unstaged), then `patch()`; what the streams saw when each backward returned."""
+    sums = row_grads_of(param)
+    if streams is not None:
+        sums.expect(StepRows(mbs, torch.device("cpu")), streams)
+    if patch is not None:
+        patch()
+    seen = []
+    for ids, scale in zip(mbs, scales):
+        _loss(F.embedding(ids, param, sparse=True), scale).backward()
+        seen.append(list(streams.calls) if streams is not None else None)
+    return sums, seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_staged_step_is_summed_as_its_last_backward_ends_with_no_sync(dtype, monkeypatch):
+    """Rows known ahead: the sum is queued on the side stream when the last backward ends
+    (not before: earlier backwards queue nothing), after the gradients are handed to it,
+    with no `torch.unique` (on a GPU a host sync); `take` waits for its event and gives
+    the unstaged sum's bits."""
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(VOCAB, WIDTH, generator=g).to(dtype)
+    scales = [torch.randn(3, 7, 1, generator=g) for _ in range(3)]
+    mbs = _microbatches(seed=3)
+    plain, _ = _staged_backwards(torch.nn.Parameter(weight.clone()), mbs, scales, None)
+    rows, grads = plain.take()
+
+    streams = _Streams()
+    staged = torch.nn.Parameter(weight.clone())
+    unique = torch.unique
+    sums, seen = _staged_backwards(staged, mbs, scales, streams, lambda: monkeypatch.setattr(
+        torch, "unique", lambda *a, **k: pytest.fail("a sync in the sum")))
+    assert seen[0] == seen[1] == []
+    assert [c[0] for c in seen[2]] == ["hand_over", "running", "mark"]
+    handed = set(seen[2][0][1])
+    assert all(t.data_ptr() in handed for p in sums._parts for t in (p._indices(), p._values()))
+    staged_rows, staged_grads = sums.take()
+    assert streams.calls[-1] == ("wait", "event")
+    monkeypatch.setattr(torch, "unique", unique)
+    assert torch.equal(staged_rows, rows) and torch.equal(staged_grads, grads)
+    assert sums._rows is None and sums.take()[0].numel() == 0  # the next step unstaged
+
+
+def test_gradients_of_other_rows_than_staged_are_refused():
+    """A lookup with ids other than the staged micro-batch's (a row outside its rows) is
+    caught at `take`, not summed into a wrong row; so is a backward beyond the staged ones."""
+    param = torch.nn.Parameter(torch.zeros(VOCAB, WIDTH))
+    sums = row_grads_of(param)
+    sums.expect(StepRows([torch.tensor([[1, 2, 3]])], torch.device("cpu")), _Streams())
+    F.embedding(torch.tensor([[1, 2, 30]]), param, sparse=True).sum().backward()
+    with pytest.raises(RuntimeError, match="other token ids than the micro-batches staged"):
+        sums.take()
+    sums.expect(StepRows([torch.tensor([[1, 2]])], torch.device("cpu")), _Streams())
+    F.embedding(torch.tensor([[1, 2]]), param, sparse=True).sum().backward()
+    with pytest.raises(RuntimeError, match="after the backwards of the micro-batches staged"):
+        F.embedding(torch.tensor([[1]]), param, sparse=True).sum().backward()

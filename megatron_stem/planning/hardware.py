@@ -114,7 +114,7 @@ class Hardware:
     row_adam_bytes_per_element: int = 30
     # CPU profile only, measured with the trainer's own functions (bytes by the planner's
     # count of each op, over its CPU time): collecting a step's row gradients
-    # (RowGradSum.take), the norm's squares, the owners' packing and sums, the
+    # (RowGradSum._sum), the norm's squares, the owners' packing and sums, the
     # publication's placing of gathered rows into the table (`passes.place_bytes`: row
     # scatters and gathers, several times slower than a copy on a CPU); 0: memory_bw
     row_grads_bw: float = 0.0

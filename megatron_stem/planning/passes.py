@@ -5,12 +5,12 @@ it: bytes read + written, and host syncs (an op whose result size or value the h
 `traffic.py` counts what crosses between ranks or memories (the trainer's counters); this
 module counts what the same path does in place, per rank per step, all tables:
 
-* `collect_*`: training/row_grads.py `RowGradSum.take`, per table: each micro-batch's sparse
+* `collect_*`: training/row_grads.py `RowGradSum`, per table: each micro-batch's sparse
   gradient upcast to fp32 (bf16 training; a no-op in fp32) and summed per row by
-  `embedding_dense_backward` after a `torch.unique` of its rows (a sync), the union of the
-  micro-batches' rows (another `unique`), their sums `index_add_`-ed into it in fp32, then
-  cast once to the training dtype; `take_same_rows` compares the tables' rows (a sync
-  each).
+  `embedding_dense_backward` over its rows (known from the host's ids, `StepRows`: no
+  `unique`, no sync), their sums `index_add_`-ed into the step's union in fp32, then cast
+  once to the training dtype; `take_same_rows` reads whether every position's row was a
+  staged one (one sync, all tables).
 * `pack_*`: `RowSharded.sync` (shards.py `to_owners`): the tables' grads concatenated,
   sorted by owner (a gather), the counts exchanged (`.tolist()`), the received rows
   upcast and `index_add_`-ed in fp32 per sender after a `unique`, averaged into a new
@@ -51,8 +51,7 @@ def collect_bytes(shape: TableShape, tokens: int, counts: RowCounts, dtype_bytes
     return t * (upcast + sums + union + add + cast)
 
 
-def collect_syncs(shape: TableShape, microbatches: int) -> int:
-    return shape.tables * (microbatches + 1) + max(shape.tables - 1, 0)
+COLLECT_SYNCS = 1  # the staged-rows check, read once for all tables
 
 
 def pack_bytes(shape: TableShape, layout: Layout, counts: RowCounts) -> float:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from megatron_stem.planning.step import UNDER_BACKBONE_STEP, Plan, Workload
+from megatron_stem.planning.step import (UNDER_BACKBONE_STEP, UNDER_REDUCTION_TAIL, Plan,
+                                         Workload)
 from megatron_stem.planning.traffic import RowCounts
 
 
@@ -37,6 +38,8 @@ def components(title: str, p: Plan) -> list[str]:
             note = "serial, at the last backward"
         if c.phase == UNDER_BACKBONE_STEP:
             note = "under DeepSpeed's step"
+        if c.phase == UNDER_REDUCTION_TAIL:
+            note = "beside the backbone reduction's tail"
         if c.phase == "tables":
             note = {"none": "serial after backward",
                     "next_step": "with the next step; its rows first",

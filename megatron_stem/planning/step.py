@@ -11,6 +11,11 @@ what:
 * `none`: the table path runs after the last backward, its stages one after another.
 * Whatever the overlap, sharded CPU state's gradient copies to the host run on a side
   stream under DeepSpeed's step (phase `UNDER_BACKBONE_STEP`): only what outlasts it waits.
+* Device tables' row gradients are summed on a side stream as the last backward ends
+  (`none`, `next_step`; the rows known from the host's ids: no sync), while the host
+  waits in DeepSpeed's epilogue for the backbone reduction's tail (phase
+  `UNDER_REDUCTION_TAIL`): only what outlasts that tail waits. On a CPU (no side stream)
+  the sum runs inline, serial.
 * `backward` (exact): each table's gradient exchange (ids, grads to owners, D2H) starts
   when its gradient is final (the last micro-batch's backward has passed its layer),
   tables in the order backward finishes them, in chunks that pipeline through the stages
@@ -67,7 +72,10 @@ ACCELERATOR_ROW_ADAM_BYTES = 24 + 12 + 8 + 68 + 24 + 6
 # The phase of work at the step boundary that runs beside DeepSpeed's step (the gradients'
 # copies to CPU state, on a side stream): exposed only by what outlasts that step.
 UNDER_BACKBONE_STEP = "under_backbone_step"
-TABLE_PHASES = ("sync", UNDER_BACKBONE_STEP, "tables", "staging")
+# ... and beside the backbone reduction's tail (the row gradients' sum, queued on a side
+# stream as the last backward ends, training/row_grads.py): exposed by what outlasts it.
+UNDER_REDUCTION_TAIL = "under_reduction_tail"
+TABLE_PHASES = ("sync", UNDER_REDUCTION_TAIL, UNDER_BACKBONE_STEP, "tables", "staging")
 
 
 @dataclass(frozen=True)
@@ -167,6 +175,8 @@ class Plan:
     exposed_reduction_s: float = 0.0  # of the backbone's gradient reduction
     # of the boundary's work beside DeepSpeed's step (UNDER_BACKBONE_STEP): what outlasts it
     exposed_beside_step_s: float = 0.0
+    # ... beside the backbone reduction's tail (UNDER_REDUCTION_TAIL)
+    exposed_beside_tail_s: float = 0.0
 
     def seconds(self, phase: str) -> float:
         return sum(c.seconds for c in self.components if c.phase == phase)
@@ -210,9 +220,10 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
     sharded = lay.partition == "sharded"
     sync = "sync" if option.overlap in ("none", "next_step") else "tables"
     if lay.placement == "device":  # host tables' staged rows are summed as they arrive
-        memory("collect row grads (RowGradSum.take)",
-               passes.collect_bytes(s, w.tokens, c, w.dtype_bytes),
-               passes.collect_syncs(s, w.microbatches), sync, hw.row_grads_bw)
+        beside_tail = sync == "sync" and not hw.device_is_host  # a side stream's
+        memory("collect row grads (RowGradSum, rows staged)",
+               passes.collect_bytes(s, w.tokens, c, w.dtype_bytes), passes.COLLECT_SYNCS,
+               UNDER_REDUCTION_TAIL if beside_tail else sync, hw.row_grads_bw)
     ids = traffic.index_bytes(s, lay, c)
     if sharded:  # counts and ids to owners, all-to-all (next_step: twice)
         add("row ids and counts (all-to-all)", "net", ids, "B",
@@ -417,8 +428,8 @@ def boundary_segment_seconds(w: Workload, p: "Plan") -> float:
     compute_s = p.seconds("compute")
     forward = compute_s / w.microbatches / 3 * _layer_share_below(w, min(w.stem_layers))
     update = [c for c in p.components if c.phase == "tables"]
-    before = p.exposed_reduction_s + p.seconds("sync") + p.seconds("backbone") + \
-        p.exposed_beside_step_s
+    before = p.exposed_reduction_s + p.exposed_beside_tail_s + p.seconds("sync") + \
+        p.seconds("backbone") + p.exposed_beside_step_s
     if p.option.overlap == "next_step":
         return before + max(forward, _next_step_ends(w, update, stage_shares(w, p.option))[0])
     return before + sum(c.seconds for c in update) + forward
@@ -479,6 +490,11 @@ def memory_check(w: Workload, lay: Layout | None, hw: Hardware, cluster: Cluster
     return ""
 
 
+def _outlasting(path: list[Component], phase: str, window_s: float) -> float:
+    """What of `phase`'s work, run beside something `window_s` long, outlasts it."""
+    return max(0.0, sum(c.seconds for c in path if c.phase == phase) - window_s)
+
+
 def plan(w: Workload, option: Option | None, cluster: Cluster, hw: Hardware,
          host_memory_bytes: float = 0.0) -> Plan:
     """The predicted step of workload `w` (a STEM recipe trained per `option`, or a dense
@@ -488,7 +504,7 @@ def plan(w: Workload, option: Option | None, cluster: Cluster, hw: Hardware,
     backbone, reduction_s = backbone_components(w, cluster, hw, compute_s)
     backbone_step_s = sum(c.seconds for c in backbone if c.phase == "backbone")
     components = comp + backbone
-    exposed = beside_exposed = 0.0
+    exposed = beside_exposed = tail_exposed = 0.0
     lay = None
     if option is not None and w.shape.tables:
         path, lay = table_components(w, option, cluster, hw)
@@ -496,9 +512,10 @@ def plan(w: Workload, option: Option | None, cluster: Cluster, hw: Hardware,
         components += path + staging
         update = [c for c in path if c.phase == "tables"]
         sync = [c for c in path if c.phase == "sync"]
-        beside_exposed = max(0.0, sum(c.seconds for c in path if c.phase ==
-                                      UNDER_BACKBONE_STEP) - backbone_step_s)
+        beside_exposed = _outlasting(path, UNDER_BACKBONE_STEP, backbone_step_s)
+        tail_exposed = _outlasting(path, UNDER_REDUCTION_TAIL, reduction_s)
         exposed = exposed_sync_seconds(w, option, sync, compute_s) + beside_exposed + \
+            tail_exposed + \
             exposed_table_seconds(w, option, update, compute_s, backbone,
                                   stage_shares(w, lay)) + \
             exposed_staging_seconds(w, staging, compute_s)
@@ -507,7 +524,7 @@ def plan(w: Workload, option: Option | None, cluster: Cluster, hw: Hardware,
     counters = traffic.counters(w.shape, lay, rows_for(w.rows, lay)) if lay is not None else {}
     return Plan(option, components, step, exposed, w.flops / (step * hw.peak_flops),
                 fits=not why, why_not=why, counters=counters, exposed_reduction_s=reduction_s,
-                exposed_beside_step_s=beside_exposed)
+                exposed_beside_step_s=beside_exposed, exposed_beside_tail_s=tail_exposed)
 
 
 def rank(w: Workload, cluster: Cluster, hw: Hardware,

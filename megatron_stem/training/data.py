@@ -138,9 +138,19 @@ class StepBatches:
         host = {key: torch.stack([torch.as_tensor(np.asarray(s[key])) for s in samples])
                 for key in self.keys}
         batch = {key: t.to(self.device, non_blocking=True) for key, t in host.items()}
+        batch[HOST_TOKENS] = host["tokens"]  # the table path's rows, read with no sync
         if self.eod is not None:
             batch["documents"] = document_boundaries(host["tokens"], self.eod, self.device)
         return batch
+
+
+HOST_TOKENS = "host_tokens"  # a micro-batch's token ids in host memory (its `tokens`' copy)
+
+
+def host_tokens(batch: dict) -> torch.Tensor:
+    """A micro-batch's token ids in host memory: the loader's copy, else `tokens` read back
+    (a sync on a GPU: micro-batches made elsewhere, by tests and benchmarks)."""
+    return batch[HOST_TOKENS] if HOST_TOKENS in batch else batch["tokens"].cpu()
 
 
 def model_inputs(batch: dict) -> dict:

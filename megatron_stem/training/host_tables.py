@@ -55,6 +55,7 @@ import torch
 from megatron_stem.model.host_copy import HostCopy
 from megatron_stem.model.row_cache import RowCache
 from megatron_stem.training.row_gather import StagingBuffer, gather_rows
+from megatron_stem.training.data import host_tokens
 from megatron_stem.training.row_grads import RowGradSum, take_same_rows
 
 def _key(tokens: torch.Tensor) -> tuple[torch.UntypedStorage, int]:
@@ -170,9 +171,9 @@ class HostTableStore:
         for mb in microbatches:
             tokens = mb["tokens"]
             if _key(tokens) not in self._by_key:  # the same tensor twice: one staging
-                # To the CPU here, on the compute stream that produced the ids (the worker's
-                # stream does not wait for it).
-                entry = _Entry(tokens, tokens.to("cpu", torch.long), requires_grad,
+                # The loader's host copy, or to the CPU here, on the compute stream that
+                # produced the ids (the worker's stream does not wait for it).
+                entry = _Entry(tokens, host_tokens(mb).to(torch.long), requires_grad,
                                len(self._entries))
                 self._by_key[_key(tokens)] = entry
                 self._entries.append(entry)

@@ -31,10 +31,13 @@ from typing import Optional
 import torch
 
 from megatron_stem import parallel
-from megatron_stem.training.row_grads import row_grads_of, table_row_grads, take_same_rows
+from megatron_stem.training.data import host_tokens
+from megatron_stem.training.row_grads import (StepRows, row_grads_of, table_row_grads,
+                                             take_same_rows)
 from megatron_stem.training.tables.adam import AdamKernel
 from megatron_stem.training.tables.checkpoint import checkpoint_states, load_states
 from megatron_stem.training.tables.comm import Comm, Devices, HostStaging, tracked
+from megatron_stem.training.tables.streams import side_streams
 from megatron_stem.training.tables.layout import TableLayout
 from megatron_stem.training.tables.overlap import READY_STAGES, STAGE_NAMES, Job, Overlap
 from megatron_stem.training.tables.partition import (Partition, Replicated, RowSharded,
@@ -86,6 +89,8 @@ class TableOptimizer:
         self.layout, self.lr_mult, self.weight_decay = layout, lr_mult, weight_decay
         self.devices = devices or Devices(parallel.device())
         self._staging = HostStaging(self.devices)
+        # the row gradients' sum at the end of a step's last backward (row_grads.py)
+        self._collect_streams = side_streams(self.devices.accelerator)
         self.host = host
         self.kernel = AdamKernel(layout.adam_kernel, betas, eps)
         self.partition = _partition(layout, tables[0][1].shape[0], self.devices, dp_group,
@@ -138,10 +143,16 @@ class TableOptimizer:
     # -- the host store's hand-offs -------------------------------------------------------
 
     def stage(self, microbatches: list[dict], requires_grad: bool = True) -> None:
-        """Host tables: the micro-batches about to run, in order (training/host_tables.py).
-        Nothing to do for device-resident tables."""
+        """The micro-batches about to run, in order. Host tables: their rows are staged
+        (training/host_tables.py). Device tables, training: their rows are known from the
+        host's token ids, so the step's gradients are summed with no sync on a side stream
+        as its last backward ends (training/row_grads.py)."""
         if self.host is not None:
             self.host.stage(microbatches, requires_grad)
+        elif requires_grad and self.tables:
+            rows = StepRows([host_tokens(mb) for mb in microbatches], self.devices.accelerator)
+            for t in self.tables:
+                row_grads_of(t.param).expect(rows, self._collect_streams)
 
     def host_stats(self) -> dict[str, float]:
         return self.host.take_stats() if self.host is not None else {}
