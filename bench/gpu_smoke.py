@@ -16,7 +16,10 @@ Each variant trains the same STEM model on the same random token batches in this
   are waited for) against `none`, with deterministic algorithms and the math attention kernel: the same
   losses bit for bit;
 * host placement (a pinned staging buffer, the side stream, the hot-row cache) against
-  device placement: close.
+  device placement: close;
+* the row gradients' sum of a staged step (training/row_grads.py: queued on a side stream
+  as the last backward ends, its rows from the host's ids) against the unstaged sum: the
+  same bits, and no host sync inside it (CUDA's sync debug mode set to error).
 
 Prints one line per check (the losses' largest relative difference) and exits 1 if one
 fails. `--dry-run`: the same at toy sizes on a CPU (the CI suite runs it).
@@ -104,6 +107,58 @@ def train(model: dict, overrides: dict, data, deterministic: bool) -> dict:
     return {"losses": losses, **facts}
 
 
+def staged_row_grads(model: dict) -> tuple[bool, str]:
+    """Four bf16 backwards of two tables, their sum staged on the side stream against the
+    same backwards unstaged."""
+    from megatron_stem.parallel import device
+    from megatron_stem.training.row_grads import StepRows, row_grads_of, take_same_rows
+    from megatron_stem.training.tables.streams import side_streams
+
+    dev, g = device(), torch.Generator().manual_seed(1)
+    vocab, width = model["vocab_size"], model["ffn_hidden_size"]
+    weights = [torch.randn(vocab, width, generator=g).to(dev, torch.bfloat16) for _ in "ab"]
+    ids = [(torch.rand(2, model["seq_length"], generator=g) ** 3 * vocab).long()
+           for _ in range(4)]
+    upstream = torch.randn(2, model["seq_length"], width, generator=g).to(dev, torch.bfloat16)
+    syncs = []
+
+    def sums(staged: bool):
+        tables = [torch.nn.Parameter(w.clone()) for w in weights]
+        row_grads = [row_grads_of(t) for t in tables]
+        if staged:
+            rows, streams = StepRows(ids, dev), side_streams(dev)
+            for r in row_grads:
+                r.expect(rows, streams)
+                own = r._sum
+
+                def checked(own=own):  # the sum itself: no host sync (CUDA's debug mode)
+                    if torch.cuda.is_available():
+                        torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        return own()
+                    except RuntimeError as e:
+                        syncs.append(str(e).splitlines()[0])
+                        raise
+                    finally:
+                        if torch.cuda.is_available():
+                            torch.cuda.set_sync_debug_mode("default")
+                r._sum = checked
+        for mb in ids:
+            x = mb.to(dev)
+            sum((torch.nn.functional.embedding(x, t, sparse=True) * upstream).float().sum()
+                for t in tables).backward()
+        queued = all(r._result is not None for r in row_grads)  # before take: queued
+        rows, grads = take_same_rows(row_grads)
+        return rows, grads, queued
+
+    plain_rows, plain, _ = sums(False)
+    rows, staged, queued = sums(True)
+    same = torch.equal(rows, plain_rows) and all(torch.equal(a, b) for a, b in zip(staged, plain))
+    return same and queued and not syncs, (f"{rows.numel()} rows, bits {'equal' if same else 'DIFFER'}"
+                                           f", queued at the last backward: {queued}"
+                                           + (f", a sync: {syncs[0]}" if syncs else ""))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
@@ -140,6 +195,8 @@ def main(argv=None) -> int:
         ("next_step vs none, deterministic: bit for bit",
          *close("overlap_next_step", "overlap_none", rel=None)),
         ("host vs device placement: close", *close("host", "device")),
+        ("the row gradients' staged sum on the side stream: the unstaged bits, no sync",
+         *staged_row_grads(model)),
     ]
     for name, passed, detail in checks:
         print(f"{'ok  ' if passed else 'FAIL'} {name} ({detail})", flush=True)

@@ -20,7 +20,7 @@ from megatron_stem import cpu_compat
 from megatron_stem.config import DataConfig, ParallelConfig, Recipe, TrainConfig
 from megatron_stem.errors import UserError
 from megatron_stem.model import build_model, documents
-from megatron_stem.training.data import StepBatches, build_datasets
+from megatron_stem.training.data import HOST_TOKENS, StepBatches, build_datasets
 from workers.common import (document_inputs, eod_token, full_named, microbatches,
                             tiny_model)
 from workers.schedule import forward_backward
@@ -203,8 +203,10 @@ def test_batches_carry_positions_boundaries_and_loss_mask(tmp_path, reset):
     (batch,) = StepBatches(train, 4, 4, 0, 1, torch.device("cpu")).microbatches(0)
     tokens = batch["tokens"]
     assert (tokens == EOD).any(dim=1).all()  # every row crosses a document boundary
+    # the ids in host memory too, for the table path (read with no sync on a GPU)
+    assert batch[HOST_TOKENS].device.type == "cpu" and torch.equal(batch[HOST_TOKENS], tokens)
     if not reset:
-        assert set(batch) == {"tokens", "labels", "loss_mask"}
+        assert set(batch) == {"tokens", "labels", "loss_mask", HOST_TOKENS}
         assert batch["loss_mask"].all()
         return
     expected = document_inputs(tokens, EOD)

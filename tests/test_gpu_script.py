@@ -24,7 +24,7 @@ def test_the_gpu_script_runs_at_toy_sizes_and_fits_its_time(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # one line per check (a fresh environment also announces its op builds there)
     smoke = re.findall(r"^(?:ok  |FAIL) .*$", (tmp_path / "smoke.txt").read_text(), re.M)
-    assert len(smoke) == 4 and all(line.startswith("ok ") for line in smoke), smoke
+    assert len(smoke) == 5 and all(line.startswith("ok ") for line in smoke), smoke
     for name in ("h200.json", "components.txt", "node.txt", "plan_today.txt", "plan_best.txt"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert "predicted step time STEM" in (tmp_path / "plan_best.txt").read_text()
