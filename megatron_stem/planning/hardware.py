@@ -66,7 +66,7 @@ MMAP_THRESHOLD = 32 << 20
 CACHE_DIR = Path.home() / ".cache" / "megatron_stem" / "planner"
 # A `cpu` profile measured by another version of calibrate.py is not read (its fields or
 # their meaning differ): raise with each change of what it measures.
-PROFILE_VERSION = 6
+PROFILE_VERSION = 7
 MEASURE_COMMAND = "python -m megatron_stem.planning.calibrate"
 
 # One bf16 GEMM's fraction of peak by its FLOPs (module docstring), H100/H200 SXM.

@@ -155,10 +155,11 @@ def _counts(mbs: list[torch.Tensor], owned_share: float = 0.5) -> RowCounts:
 
 
 def row_grads_bw() -> float:
-    """Bytes/s (`passes.collect_bytes`) of RowGradSum.take as the trainer runs it: the
-    tables' hooks collect each micro-batch's sparse gradient (row_grads_of), `take_same_rows`
-    sums them."""
-    from megatron_stem.training.row_grads import row_grads_of, take_same_rows
+    """Bytes/s (`passes.collect_bytes`) of the row gradients' sum as the trainer runs it:
+    the step's rows staged from the host's ids (`StepRows`), the tables' hooks collect each
+    micro-batch's sparse gradient (row_grads_of), `take_same_rows` sums them (on a CPU the
+    trainer's sum runs inline at the last backward's end; the same ops)."""
+    from megatron_stem.training.row_grads import StepRows, row_grads_of, take_same_rows
 
     tables = [torch.nn.Parameter(torch.randn(TABLE_VOCAB, TABLE_WIDTH))
               for _ in range(STEP_TABLES)]
@@ -167,6 +168,9 @@ def row_grads_bw() -> float:
     upstream = torch.randn(STEP_TOKENS // STEP_MICROBATCHES, TABLE_WIDTH)
 
     def backwards():
+        rows = StepRows(mbs, torch.device("cpu"))
+        for s in sums:
+            s.expect(rows)  # (no side stream: summed by `take`, timed)
         for ids in mbs:
             sum(F.embedding(ids, p, sparse=True).mul(upstream).sum() for p in tables).backward()
 
