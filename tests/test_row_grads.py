@@ -163,3 +163,31 @@ def test_gradients_of_other_rows_than_staged_are_refused():
     F.embedding(torch.tensor([[1, 2]]), param, sparse=True).sum().backward()
     with pytest.raises(RuntimeError, match="after the backwards of the micro-batches staged"):
         F.embedding(torch.tensor([[1]]), param, sparse=True).sum().backward()
+
+
+def test_a_staged_sum_under_reentrant_recompute_gives_the_same_bits():
+    """Megatron's recompute replays a layer's forward in its backward, a nested autograd
+    pass (reentrant checkpointing): the last gradient's hook then queues the sum at the
+    end of the nested pass, before the rest of the backward; the sum is the same."""
+    from torch.utils.checkpoint import checkpoint
+
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(VOCAB, WIDTH, generator=g)
+    scales = [torch.randn(3, 7, 1, generator=g) for _ in range(3)]
+    mbs = _microbatches(seed=5)
+    results = []
+    for staged in (False, True):
+        param = torch.nn.Parameter(weight.clone())
+        sums = row_grads_of(param)
+        streams = _Streams()
+        if staged:
+            sums.expect(StepRows(mbs, torch.device("cpu")), streams)
+        for ids, scale in zip(mbs, scales):
+            x = torch.ones(1, requires_grad=True)  # (a reentrant checkpoint needs an input
+            out = checkpoint(lambda x, ids=ids, p=param: F.embedding(ids, p, sparse=True) * x, x,
+                             use_reentrant=True)   # that requires grad)
+            _loss(out, scale).backward()
+        assert (("mark",) in streams.calls) == staged  # queued by the last backward
+        results.append(sums.take())
+    assert results[1][1].numel()
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
