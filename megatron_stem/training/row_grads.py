@@ -102,12 +102,17 @@ class RowGradSum:
         sums = _position_sums(grad._indices()[0], grad._values(), row_ids.numel())
         self._parts.append((row_ids.to(grad.device, non_blocking=True), sums))
 
-    def hook(self, param: torch.Tensor, row_ids: Optional[torch.Tensor] = None) -> None:
-        """A post-accumulate-grad hook: moves each backward's gradient of `param` (a
-        table, or staged rows `row_ids`) here; the step's last queues the sum."""
+    def take_grad(self, param: torch.Tensor, row_ids: Optional[torch.Tensor] = None) -> None:
+        """Moves `param`'s gradient (a table's, or staged rows `row_ids`'), if any, here."""
         if param.grad is not None:
             self.add(param.grad, row_ids)
             param.grad = None
+
+    def hook(self, param: torch.Tensor, row_ids: Optional[torch.Tensor] = None) -> None:
+        """A post-accumulate-grad hook: moves each backward's gradient of `param` (a
+        table, or staged rows `row_ids`) here; the step's last queues the sum (in the
+        backward: an autograd callback can only be queued there)."""
+        self.take_grad(param, row_ids)
         if (self._streams is not None and self._rows is not None and not self._queued
                 and len(self._parts) == self._rows.microbatches):
             self._queued = True
@@ -198,7 +203,7 @@ def table_row_grads(param: torch.nn.Parameter) -> RowGradSum:
     """A device-placed table's row gradients of the step, with a sparse gradient set on
     the parameter directly (not by a backward: benchmarks) counted as one more backward."""
     row_grads = row_grads_of(param)
-    row_grads.hook(param)
+    row_grads.take_grad(param)
     return row_grads
 
 
