@@ -1,9 +1,11 @@
 """The side streams of the tables' path: CUDA's on a GPU node, none on a CPU run.
 
-Two pieces of the path run beside the compute stream: the overlapped update
-(`overlap.py`, on a worker thread) and the gradients' copies into pinned host memory for
-CPU Adam (`comm.HostStaging`, under DeepSpeed's step). Both follow one protocol, so a CPU
-test can stand in for CUDA and see what is asked of it, from which thread:
+Three pieces of the path run beside the compute stream: the row gradients' sum at the end
+of a step's last backward (`training/row_grads.py`, beside the backbone reduction's tail),
+the gradients' copies into pinned host memory for CPU Adam (`comm.HostStaging`, under
+DeepSpeed's step) and the overlapped update (`overlap.py`, on a worker thread). All follow
+one protocol, so a CPU test can stand in for CUDA and see what is asked of it, from which
+thread:
 
 * `hand_over(tensors)`: before the side stream works on tensors made on the compute
   stream, it waits for that stream's work, and each tensor is recorded on the side stream
