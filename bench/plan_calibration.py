@@ -213,43 +213,56 @@ def timed_step(update, mbs, next_mbs=None) -> dict:
 
 
 def boundary_segments(update, steps: list) -> list[float]:
-    """Wall seconds from the end of each step's last backward to the next step's first
-    table lookup returning, steps run back to back as train.train_step runs them (an
-    overlapped update is not waited for: the lookup waits for its own rows)."""
+    """Seconds from the end of each step's last backward to the next step's first table
+    lookup, steps run back to back as train.train_step runs them (an overlapped update is
+    not waited for: the lookup waits for its own rows). The end of the backward is its last
+    kernel on the compute stream, before DeepSpeed's epilogue waits for the reduction's
+    tail (the planner's segment starts there, `step.boundary_segment_seconds`); on a GPU
+    both ends are CUDA events on that stream (no sync, which would also wait for the row
+    gradients' sum on its side stream), on a CPU the host's clock."""
     from megatron_stem.model.table import StemTable
     from megatron_stem.train import train_step
 
-    first = next(m for m in update.engine.module.modules() if isinstance(m, StemTable))
-    marks = {}
+    engine = update.engine
+    first = next(m for m in engine.module.modules() if isinstance(m, StemTable))
+    marks, out = {}, []
+    cuda = torch.cuda.is_available()
 
-    def now() -> float:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter()
+    def mark():
+        if not cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(start, end) -> float:
+        if not cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
     def looked_up(module, inputs, output):
         if "backward_end" in marks and "lookup" not in marks:
-            marks["lookup"] = now()
+            marks["lookup"] = mark()
 
-    apply = update.apply
+    epilogue = engine._backward_epilogue
 
-    out = []
-
-    def timed_apply(*args, **kwargs):
-        if "lookup" in marks:  # the segment that ended in this step's first lookup
-            out.append(marks["lookup"] - marks["backward_end"])
-        marks.clear()
-        marks["backward_end"] = now()
-        return apply(*args, **kwargs)
+    def timed_epilogue(*args, **kwargs):
+        if engine.is_gradient_accumulation_boundary():  # the step's last backward
+            if "lookup" in marks:  # the segment that ended in this step's first lookup
+                out.append(seconds(marks["backward_end"], marks["lookup"]))
+            marks.clear()
+            marks["backward_end"] = mark()
+        return epilogue(*args, **kwargs)
 
     hook = first.register_forward_hook(looked_up)
-    update.apply = timed_apply
+    engine._backward_epilogue = timed_epilogue
     try:
         for mbs, next_mbs in zip(steps, steps[1:]):
             train_step(update, mbs, 1e-3, [mb["tokens"] for mb in next_mbs])
     finally:
         hook.remove()
-        del update.apply
+        del engine._backward_epilogue
         update.tables.finish()
     return out
 
