@@ -106,6 +106,15 @@ def build_validation_sets(recipe: Recipe, tokenizer, samples: int, cache_dir: st
     return sets
 
 
+HOST_TOKENS = "host_tokens"  # a micro-batch's token ids in host memory (its `tokens`' copy)
+
+
+def host_tokens(batch: dict) -> torch.Tensor:
+    """A micro-batch's token ids in host memory: the loader's copy, else `tokens` read back
+    (a sync on a GPU: micro-batches made elsewhere, by tests and benchmarks)."""
+    return batch[HOST_TOKENS] if HOST_TOKENS in batch else batch["tokens"].cpu()
+
+
 class StepBatches:
     """Micro-batches of one step for this data-parallel rank.
 
@@ -142,15 +151,6 @@ class StepBatches:
         if self.eod is not None:
             batch["documents"] = document_boundaries(host["tokens"], self.eod, self.device)
         return batch
-
-
-HOST_TOKENS = "host_tokens"  # a micro-batch's token ids in host memory (its `tokens`' copy)
-
-
-def host_tokens(batch: dict) -> torch.Tensor:
-    """A micro-batch's token ids in host memory: the loader's copy, else `tokens` read back
-    (a sync on a GPU: micro-batches made elsewhere, by tests and benchmarks)."""
-    return batch[HOST_TOKENS] if HOST_TOKENS in batch else batch["tokens"].cpu()
 
 
 def model_inputs(batch: dict) -> dict:

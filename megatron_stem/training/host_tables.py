@@ -54,8 +54,8 @@ import torch
 
 from megatron_stem.model.host_copy import HostCopy
 from megatron_stem.model.row_cache import RowCache
-from megatron_stem.training.row_gather import StagingBuffer, gather_rows
 from megatron_stem.training.data import host_tokens
+from megatron_stem.training.row_gather import StagingBuffer, gather_rows
 from megatron_stem.training.row_grads import RowGradSum, take_same_rows
 
 def _key(tokens: torch.Tensor) -> tuple[torch.UntypedStorage, int]:

@@ -155,28 +155,24 @@ class RowGradSum:
                     torch.empty(0, self.width, dtype=self.dtype, device=self.device),
                     torch.tensor(True, device=self.device))
         known = self._rows
-        if known is not None and known.microbatches != len(self._parts):
-            raise RuntimeError(f"a STEM table had {len(self._parts)} backwards in a step "
-                               f"staged with {known.microbatches} micro-batches "
-                               "(TableOptimizer.stage)")
-        looked_up = []
-        parts = []
-        for k, p in enumerate(self._parts):
-            if isinstance(p, tuple):
-                parts.append(p)
-            elif known is None:
-                parts.append(_row_sums(p))
-            else:
-                rows = known.microbatch_rows[k]
-                sums, ok = _known_row_sums(p, rows)
-                parts.append((rows, sums))
-                looked_up.append(ok)
-        rows = known.rows if known is not None else torch.unique(torch.cat([i for i, _ in parts]))
+        if known is None:  # rows from the gradients themselves (a `unique` each: syncs)
+            parts = [p if isinstance(p, tuple) else _row_sums(p) for p in self._parts]
+            rows = torch.unique(torch.cat([ids for ids, _ in parts]))
+            positions = [torch.searchsorted(rows, ids) for ids, _ in parts]
+            part_sums = [sums for _, sums in parts]
+            ok = torch.tensor(True, device=rows.device)
+        else:
+            if known.microbatches != len(self._parts):
+                raise RuntimeError(f"a STEM table had {len(self._parts)} backwards in a step "
+                                   f"staged with {known.microbatches} micro-batches "
+                                   "(TableOptimizer.stage)")
+            summed = [_known_row_sums(p, r) for p, r in zip(self._parts, known.microbatch_rows)]
+            rows, positions = known.rows, known.positions
+            part_sums = [sums for sums, _ in summed]
+            ok = torch.stack([looked_up for _, looked_up in summed]).all()
         total = torch.zeros(rows.numel(), self.width, dtype=torch.float32, device=rows.device)
-        for k, (ids, sums) in enumerate(parts):  # each row once per part: no two additions race
-            at = known.positions[k] if known is not None else torch.searchsorted(rows, ids)
+        for at, sums in zip(positions, part_sums):  # each row once per part: no two additions race
             total.index_add_(0, at, sums)
-        ok = torch.stack(looked_up).all() if looked_up else torch.tensor(True, device=rows.device)
         return rows, total.to(self.dtype), ok
 
 

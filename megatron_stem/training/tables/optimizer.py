@@ -37,12 +37,12 @@ from megatron_stem.training.row_grads import (StepRows, row_grads_of, table_row_
 from megatron_stem.training.tables.adam import AdamKernel
 from megatron_stem.training.tables.checkpoint import checkpoint_states, load_states
 from megatron_stem.training.tables.comm import Comm, Devices, HostStaging, tracked
-from megatron_stem.training.tables.streams import side_streams
 from megatron_stem.training.tables.layout import TableLayout
 from megatron_stem.training.tables.overlap import READY_STAGES, STAGE_NAMES, Job, Overlap
 from megatron_stem.training.tables.partition import (Partition, Replicated, RowSharded,
                                                      SharedHostCopy, TableState)
 from megatron_stem.training.tables.shards import TrafficCounters, earliest, positions_in
+from megatron_stem.training.tables.streams import side_streams
 
 DENSE_CHUNK_BYTES = 64 << 20  # `dense` updates this many bytes of fp32 rows at a time
 
