@@ -175,6 +175,12 @@ class ModelConfig:
     untie_embeddings: bool = True
     rotary_base: float = 500000.0
     norm_eps: float = 1e-5
+    # Initial dense weights (model/init.py). "megatron": N(0, init_std), the output
+    # projections (attention out, FFN down) divided by sqrt(2 x num_layers). "truncated_fan_in":
+    # the official STEM code's (lingua's), a normal truncated at +-3 std, std = hidden_size^-0.5
+    # for every projection from the hidden state and for the embedding and output layer,
+    # ffn_hidden_size^-0.5 for the down projection, no depth scaling; `init_std` unused.
+    init: Literal["megatron", "truncated_fan_in"] = "megatron"
     init_std: float = 0.02
     stem_layers: StemPlacement = "none"
     # Embedding/output rows are padded to a multiple of this (Megatron's convention) so the
@@ -411,11 +417,21 @@ class OptimizerConfig:
     lr: float = 4e-4
     min_lr_ratio: float = 0.1  # cosine decays to lr x min_lr_ratio
     warmup_steps: int = 2000
+    # Linear warmup from lr 0 at step 1 (lingua's, the official STEM code's) rather than
+    # from lr / warmup_steps (Megatron's): training/lr.py.
+    warmup_from_zero: bool = False
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    clip_grad: float = 1.0  # global norm over backbone and tables together; 0 = off
+    clip_grad: float = 1.0  # the threshold of the global gradient norm; 0 = off
+    # "joint": one norm over backbone and tables, both scaled by the same factor.
+    # "separate": each clipped by its own global norm (the official STEM code's), so the
+    # tables, whose norm is far smaller, are almost never scaled down (training/update.py).
+    clip_tables: Literal["joint", "separate"] = "joint"
+    # Weight decay on the RMSNorm gains too (the official STEM code's AdamW decays every
+    # parameter); false: norms undecayed, as Megatron and Llama do.
+    decay_norms: bool = False
     zero_stage: Literal[1, 2] = 1
     offload: bool = False  # ZeRO-Offload of the dense optimizer to CPU (DeepSpeed CPU Adam)
     tables: TableOptimizerConfig = field(default_factory=TableOptimizerConfig)
@@ -501,6 +517,10 @@ class TrainConfig:
     # moments, the backbone's and the tables'), their Adam step count continued. False: a
     # fresh optimizer whose master copy is the checkpoint's weights in the training dtype.
     init_optimizer: bool = False
+    # With init_from, the STEM tables: "keep" the checkpoint's, or "reinit" them as a fresh
+    # run would (the official code's `init_ckpt_path` does). A STEM run from a dense
+    # checkpoint always starts fresh tables (the dense up-projections are dropped).
+    init_tables: Literal["keep", "reinit"] = "keep"
     # Peak dense bf16 FLOP/s of one accelerator, for MFU (H100/H200 SXM: 989e12).
     peak_flops: float = 989e12
     # Deterministic kernels on a GPU, for debugging a difference between two runs (every
@@ -518,6 +538,10 @@ class TrainConfig:
         if self.init_optimizer and not self.init_from:
             raise ConfigError("init_optimizer: needs train.init_from, the checkpoint whose "
                               "optimizer states to start from")
+        if self.init_optimizer and self.init_tables == "reinit":
+            raise ConfigError("init_tables: reinit starts fresh tables, which the "
+                              "checkpoint's table optimizer states do not belong to; set "
+                              "train.init_optimizer=false, or train.init_tables=keep")
 
 
 @dataclass

@@ -2,9 +2,9 @@
 
 The DeepSpeed engine owns every parameter but the tables: ZeRO-1/2 partitions their
 optimizer states (and, at stage 2, gradients) over data parallel, optionally offloaded to
-CPU. The tables are trained by `TableOptimizer` (training/tables/). Gradient clipping uses
-one global norm over both, and the order of a step's update is written once
-(training/update.py). Host-resident tables (`tables.placement: host`) stay out of the
+CPU. The tables are trained by `TableOptimizer` (training/tables/). Gradients are clipped
+by one global norm over both or by one norm each (`optimizer.clip_tables`), and the order
+of a step's update is written once (training/update.py). Host-resident tables (`tables.placement: host`) stay out of the
 engine's reach and get a `HostTableStore`.
 """
 
@@ -47,13 +47,15 @@ class MegatronMpu:
     get_pipeline_model_parallel_group = staticmethod(ps.get_pipeline_model_parallel_group)
 
 
-def split_parameters(model: torch.nn.Module):
-    """(decayed dense, undecayed dense, tables as (name, param)) for the optimizers."""
+def split_parameters(model: torch.nn.Module, decay_norms: bool = False):
+    """(decayed dense, undecayed dense, tables as (name, param)) for the optimizers. The
+    norm gains are undecayed (Megatron and Llama practice) unless `decay_norms` (the
+    official STEM code decays every parameter)."""
     decay, no_decay, tables = [], [], []
     for name, p in model.named_parameters():
         if getattr(p, "stem_table", False):
             tables.append((name, p))
-        elif p.ndim < 2:  # norms: no weight decay (Megatron and Llama practice)
+        elif p.ndim < 2 and not decay_norms:
             no_decay.append(p)
         else:
             decay.append(p)
@@ -102,8 +104,9 @@ def deepspeed_config(recipe: Recipe, dp_size: int) -> dict:
 
 def _dense_optimizer(recipe: Recipe, decay, no_decay):
     opt = recipe.optimizer
-    groups = [{"params": decay, "weight_decay": opt.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": opt.weight_decay}]
+    if no_decay:  # none under `optimizer.decay_norms` (ZeRO cannot flatten an empty group)
+        groups.append({"params": no_decay, "weight_decay": 0.0})
     kwargs = dict(lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps)
     if opt.offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -193,7 +196,7 @@ def build_engine(model: torch.nn.Module, recipe: Recipe):
     import deepspeed
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    decay, no_decay, tables = split_parameters(model)
+    decay, no_decay, tables = split_parameters(model, recipe.optimizer.decay_norms)
     tab, tab_opt = recipe.tables, recipe.optimizer.tables
     if tab_opt.device == "cpu":
         check_table_memory(tables, tab.placement,
@@ -222,4 +225,5 @@ def build_engine(model: torch.nn.Module, recipe: Recipe):
         weight_decay=tab_opt.weight_decay, betas=(opt.beta1, opt.beta2), eps=opt.eps,
         dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
         host=host)
-    return engine, table_optimizer, Update(engine, table_optimizer, opt.clip_grad)
+    return engine, table_optimizer, Update(engine, table_optimizer, opt.clip_grad,
+                                           opt.clip_tables)

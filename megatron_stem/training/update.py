@@ -3,9 +3,11 @@
 After the last micro-batch's backward (`Update.apply`):
 
 1. the tables' row gradients are averaged over data parallel (`TableOptimizer.sync_grads`);
-2. the global gradient norm over backbone and tables: DeepSpeed's ZeRO optimizer computes
-   the backbone's inside its step and calls the norm hook installed here, which adds the
-   tables' share (`grad_norm_sq`); both are then clipped by the same coefficient;
+2. the gradient norms: DeepSpeed's ZeRO optimizer computes the backbone's inside its step
+   and calls the norm hook installed here, which adds the tables' share (`grad_norm_sq`).
+   `optimizer.clip_tables: joint` clips both by one coefficient from the global norm over
+   both; `separate` (the official STEM code's) clips each by its own norm, each a global
+   norm over all of its shards and ranks;
 3. the backbone's step (DeepSpeed), then the tables' step (the same learning-rate
    schedule, times `optimizer.tables.lr_mult`).
 
@@ -34,7 +36,8 @@ from megatron_stem.training.profiling import UNTIMED
 
 @dataclass
 class GradNorms:
-    """A step's gradient norms (unscaled): backbone, tables, and the global one."""
+    """A step's gradient norms (unscaled): backbone, tables, and the global one (over
+    both, whichever norm clips)."""
 
     backbone: float = 0.0
     tables: float = 0.0
@@ -61,11 +64,11 @@ def _valid_norm(value: float) -> bool:
     return math.isfinite(value) and value >= 0
 
 
-def clip_coefficient(total: float, clip_grad: float) -> float:
-    """The factor DeepSpeed applies to the backbone's gradients; the tables get the same."""
-    if clip_grad <= 0 or total <= clip_grad:
+def clip_coefficient(norm: float, clip_grad: float) -> float:
+    """The factor DeepSpeed applies to gradients whose norm is `norm`."""
+    if clip_grad <= 0 or norm <= clip_grad:
         return 1.0
-    return clip_grad / (total + 1e-6)
+    return clip_grad / (norm + 1e-6)
 
 
 def _whose(local_loss: float, local_tables_finite: bool) -> str:
@@ -85,10 +88,11 @@ class NormHook:
     """The tables in DeepSpeed's global norm: its ZeRO-1/2 optimizer computes the
     (loss-scaled) backbone norm in `scaled_global_norm` and clips its partitions by what
     that returns. The hook replaces the method on that optimizer instance: it returns the
-    norm over backbone and tables (infinite for a step to skip) and records the parts."""
+    norm the backbone is clipped by (`joint`: over backbone and tables; else the
+    backbone's own), infinite for a step to skip, and records the parts."""
 
-    def __init__(self, zero_optimizer, tables):
-        self.zero_optimizer, self.tables = zero_optimizer, tables
+    def __init__(self, zero_optimizer, tables, joint: bool = True):
+        self.zero_optimizer, self.tables, self.joint = zero_optimizer, tables, joint
         self._backbone_norm = zero_optimizer.scaled_global_norm
         zero_optimizer.scaled_global_norm = self
         self.calls = 0
@@ -106,15 +110,20 @@ class NormHook:
             ("tables", _valid_norm(table_sq))) if not ok)
         total = (backbone ** 2 + table_sq) ** 0.5 if not self.nonfinite else math.inf
         self.norms = GradNorms(backbone, table_sq ** 0.5, total)
-        return torch.tensor(total * scale, device=self.zero_optimizer.device)
+        clipped_by = total if self.joint or self.nonfinite else backbone
+        return torch.tensor(clipped_by * scale, device=self.zero_optimizer.device)
+
+    def tables_norm(self) -> float:
+        """The norm the tables are clipped by."""
+        return self.norms.total if self.joint else self.norms.tables
 
 
 class Update:
     """The end of every step (module docstring): `apply` after the last backward."""
 
-    def __init__(self, engine, tables, clip_grad: float):
+    def __init__(self, engine, tables, clip_grad: float, clip_tables: str = "joint"):
         self.engine, self.tables, self.clip_grad = engine, tables, clip_grad
-        self.hook = NormHook(engine.optimizer, tables)
+        self.hook = NormHook(engine.optimizer, tables, joint=clip_tables == "joint")
 
     @property
     def norms(self) -> GradNorms:
@@ -142,7 +151,7 @@ class Update:
                                 math.isfinite(loss))
         with timer.phase("tables_step"):
             if outcome.applied:
-                self.tables.step(lr, clip_coefficient(outcome.norms.total, self.clip_grad),
+                self.tables.step(lr, clip_coefficient(self.hook.tables_norm(), self.clip_grad),
                                  next_ids)
             else:
                 self.tables.skip()
