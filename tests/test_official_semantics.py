@@ -12,6 +12,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad,
 from megatron_stem.config import OptimizerConfig, Recipe, from_dict, load_recipe
 from megatron_stem.errors import ConfigError
 from megatron_stem.model import build_model
+from megatron_stem.model.init import TRUNCATION
 from megatron_stem.train import train_step
 from megatron_stem.training.engine import build_engine, split_parameters
 from megatron_stem.training.lr import lr_at
@@ -153,3 +154,45 @@ def test_norm_gains_are_decayed_only_under_decay_norms(decay_norms):
     assert len(decay) + len(no_decay) + len(tables) == len(list(model.parameters()))
     assert [g["weight_decay"] for g in engine.optimizer.optimizer.param_groups] == \
         ([WD] if decay_norms else [WD, 0.0])
+
+
+def _truncated_std(std: float, bound: float = TRUNCATION) -> float:
+    """The standard deviation of N(0, std) truncated at +-bound std."""
+    density = math.exp(-bound * bound / 2) / math.sqrt(2 * math.pi)
+    mass = math.erf(bound / math.sqrt(2))
+    return std * math.sqrt(1 - 2 * bound * density / mass)
+
+
+# Each kind of dense weight and its fan-in under `model.init: truncated_fan_in` (the
+# official code: dim^-0.5 everywhere but the down projection's ffn_dim^-0.5).
+_FAN_IN = {"embedding.word_embeddings": "hidden_size", "output_layer": "hidden_size",
+           "linear_qkv": "hidden_size", "linear_proj": "hidden_size",
+           "linear_fc1": "hidden_size", "linear_gate": "hidden_size",
+           "linear_fc2": "ffn_hidden_size", "linear_down": "ffn_hidden_size"}
+
+
+@pytest.mark.integration
+def test_truncated_fan_in_init_matches_the_formulas_and_tp2_draws_tp1s_numbers(
+        tmp_path_factory):
+    from conftest import merge_rank_dumps, torchrun
+
+    params = {}
+    for tp in (1, 2):
+        out = tmp_path_factory.mktemp(f"init_tp{tp}")
+        torchrun(tp, "parity.py", "--out", out, "--tp", tp, "--init", "truncated_fan_in")
+        params[tp] = merge_rank_dumps(out)["params"]
+    assert params[2].keys() == params[1].keys()
+    for name, value in params[1].items():
+        assert torch.equal(params[2][name], value), name
+    for kind, dim in _FAN_IN.items():
+        weights = [v for n, v in params[1].items() if f"{kind}.weight" in n]
+        assert weights, kind
+        std = TINY[dim] ** -0.5
+        values = torch.cat([w.flatten() for w in weights]).double()
+        assert float(values.std()) == pytest.approx(_truncated_std(std), rel=0.02), kind
+        assert float(values.abs().max()) <= TRUNCATION * std, kind
+    gains = [v for n, v in params[1].items() if "layernorm" in n]
+    assert gains and all(torch.equal(g, torch.ones_like(g)) for g in gains)
+    tables = [v for n, v in params[1].items() if ".table." in n]  # xavier over [V, F]
+    assert tables and float(torch.cat([t.flatten() for t in tables]).std()) == \
+        pytest.approx(math.sqrt(2 / (TINY["vocab_size"] + TINY["ffn_hidden_size"])), rel=0.02)

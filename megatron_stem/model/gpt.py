@@ -15,6 +15,7 @@ from megatron_stem import cpu_compat
 from megatron_stem.config import ModelConfig, ParallelConfig, TableStorageConfig
 from megatron_stem.model import documents
 from megatron_stem.model.host_copy import HostCopy
+from megatron_stem.model.init import truncated_fan_in_
 from megatron_stem.model.spec import block_spec
 from megatron_stem.model.table import StemTable
 
@@ -103,8 +104,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig,
 def build_model(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234,
                 params_dtype: torch.dtype = torch.float32,
                 tables: Optional[TableStorageConfig] = None) -> StemGPTModel:
-    """This rank's part of the model (its TP shard of its pipeline stage). With
-    `tables.placement: host` the STEM tables go to host memory shared per node."""
+    """This rank's part of the model (its TP shard of its pipeline stage), initialized per
+    `model.init`. With `tables.placement: host` the STEM tables go to host memory shared
+    per node."""
     config = transformer_config(model, parallel, params_dtype)
     placement = tables.placement if tables is not None else "device"
     _quiet_unknown_mlp_warning()
@@ -119,6 +121,8 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234,
         position_embedding_type="rope",
         rotary_base=int(model.rotary_base),
     )
+    if model.init == "truncated_fan_in":
+        truncated_fan_in_(net, seed)
     if placement == "host":
         place_tables_on_host(net, tables.ranks_per_copy)
     if torch.cuda.is_available():

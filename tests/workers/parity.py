@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node N parity.py --out DIR [--tp 2] [--pp 2] [--sp]
              [--recompute] [--load CKPT] [--save CKPT] [--stem 1/2] [--seed N] [--tied]
-             [--documents]
+             [--documents] [--init truncated_fan_in]
 
 `--documents`: micro-batches cut into documents, with reset positions and attention kept
 inside each document (model/documents.py).
@@ -41,13 +41,14 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--tied", action="store_true", help="tie input and output embeddings")
     ap.add_argument("--documents", action="store_true")
+    ap.add_argument("--init", default="megatron", help="model.init")
     args = ap.parse_args()
 
     parallel = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp,
                               sequence_parallel=args.sp,
                               recompute="full" if args.recompute else "none")
     init_distributed(parallel, seed=args.seed)
-    cfg = tiny_model(args.stem, untie_embeddings=not args.tied)
+    cfg = tiny_model(args.stem, untie_embeddings=not args.tied, init=args.init)
     model = build_model(cfg, parallel, seed=args.seed)
     if args.load:
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), args.load))
