@@ -27,6 +27,7 @@ import os
 import queue
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch.distributed as dist
@@ -196,10 +197,48 @@ def _keep_write_results_in_process() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
-def load_model(model, ckpt: Path) -> None:
-    """Load a checkpoint's weights into `model`, whatever layout it was saved from."""
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt / MODEL))
+def load_model(model, ckpt: Path, tables: str = "keep", dense_source: bool = False) -> None:
+    """Load a checkpoint's weights into `model`, whatever layout it was saved from.
+
+    `tables: reinit` leaves the model's STEM tables as they were built (a fresh run's
+    init) instead of loading the checkpoint's. `dense_source`: the checkpoint is the dense
+    baseline of this STEM model (`check_same_shape`): each STEM layer's gate and down
+    projections are the dense layer's gate half of `linear_fc1` and its `linear_fc2`, its
+    up half is dropped, the tables start fresh; every other weight is loaded as it is."""
+    sharded = model.sharded_state_dict()
+    fresh = {k: sharded.pop(k) for k in list(sharded)
+             if _is_table(k) and (tables == "reinit" or dense_source)}
+    if dense_source:
+        sharded = {k: _from_dense_mlp(v) if _STEM_MLP.search(k) else v
+                   for k, v in sharded.items()}
+    # The dense up halves are never read, which megatron's check that every part of a
+    # tensor is read exactly once would refuse.
+    state = dist_checkpointing.load(sharded, str(ckpt / MODEL),
+                                    validate_access_integrity=not dense_source)
+    state.update({k: sh.data for k, sh in fresh.items()})
     model.load_state_dict(state)
+
+
+_STEM_MLP = re.compile(r"\.mlp\.linear_(gate|down)\.")
+
+
+def _is_table(key: str) -> bool:
+    return key.endswith(".mlp.table.weight")
+
+
+def _from_dense_mlp(sh):
+    """A STEM MLP's gate or down projection (weight or extra state) as the part of the
+    dense MLP's checkpointed tensor it starts from. Megatron saves a SwiGLU `linear_fc1`
+    as one [2 x ffn, hidden] tensor, the gate rows first (`apply_swiglu_sharded_factory`):
+    a gate shard is the same rows of a tensor twice as tall."""
+    key = sh.key.replace(".linear_gate.", ".linear_fc1.").replace(".linear_down.", ".linear_fc2.")
+    if not sh.key.endswith("linear_gate.weight"):
+        return replace(sh, key=key)
+    axis = sh.prepend_axis_num
+    shape, frags = list(sh.global_shape), list(sh.axis_fragmentations)
+    shape[axis] *= 2
+    frags[axis] *= 2
+    return replace(sh, key=key, global_shape=tuple(shape), axis_fragmentations=tuple(frags))
 
 
 def parameter_shape(model) -> dict:
@@ -215,15 +254,25 @@ def parameter_shape(model) -> dict:
             "stem_layers": model.stem_layer_indices}
 
 
-def check_same_shape(saved_recipe, recipe, ckpt: Path) -> None:
+def check_same_shape(saved_recipe, recipe, ckpt: Path, dense_source: bool = False) -> None:
     """A checkpoint whose parameters have other shapes is a user error, not a size-mismatch
-    traceback (`parameter_shape`: the fields compared; the others may differ)."""
+    traceback (`parameter_shape`: the fields compared; the others may differ).
+    `dense_source`: a STEM model from its dense baseline (`load_model`), the same shape
+    but for the STEM layers."""
     saved, wanted = parameter_shape(saved_recipe.model), parameter_shape(recipe.model)
+    if dense_source:
+        del saved["stem_layers"], wanted["stem_layers"]
     diffs = [f"model.{k}: checkpoint {_shown(saved_recipe.model, k, saved[k])!r}, recipe "
              f"{_shown(recipe.model, k, wanted[k])!r}" for k in saved if saved[k] != wanted[k]]
     if diffs:
-        raise UserError(f"{Path(ckpt) / RECIPE}: checkpoint is of another model shape "
-                        f"({'; '.join(diffs)})")
+        what = "the dense baseline of another shape" if dense_source \
+            else "checkpoint is of another model shape"
+        raise UserError(f"{Path(ckpt) / RECIPE}: {what} ({'; '.join(diffs)})")
+
+
+def is_dense_source(saved_recipe, recipe) -> bool:
+    """A dense checkpoint starting a STEM model (`load_model`'s `dense_source`)."""
+    return recipe.model.is_stem and not saved_recipe.model.is_stem
 
 
 def _shown(model, key: str, value):

@@ -78,3 +78,16 @@ def test_init_from_without_the_optimizer_starts_a_fresh_one(train, midtrain):
     carried = midtrain["run"]["losses"]
     assert fresh["step"] == 6 and fresh["losses"][0] == carried[0]
     assert all(abs(a - b) > 1e-4 for a, b in zip(fresh["losses"][1:], carried[1:]))
+
+
+def test_a_stem_run_starts_from_a_dense_runs_checkpoint_and_trains(train, reference):
+    """The dense baseline's last checkpoint starts the STEM model (its STEM layers' up
+    projections dropped, fresh tables: tests/test_stage_starts.py checks the weights): the
+    run starts below a fresh STEM model's first loss and trains on."""
+    dense = train(1, "model.stem_layers=none", name="dense_stage1")
+    stem = train(1, f"train.init_from={dense['save_dir']}", name="stem_from_dense")
+    source = dense["save_dir"] / "iter_0000006"
+    assert f"initialized from {source} (a dense model's weights: STEM layers' " \
+           "up-projections dropped, fresh tables)" in stem["log"]
+    assert stem["step"] == 6 and stem["losses"][-1] < stem["losses"][0]
+    assert stem["losses"][0] < reference["lazy"]["losses"][0] - 0.1

@@ -18,7 +18,9 @@ put them there later.
 A run started from another run's checkpoint (`train.init_from`: the next stage of a
 pipeline) is a new run: step 0, its own schedule, data, save_dir and logs. Only the
 parameters' shapes must match (`checkpoint.check_same_shape`); the sequence length, RoPE
-base and layout (TP, DP, table partition) may change, as on a resume. With
+base and layout (TP, DP, table partition) may change, as on a resume. Its STEM tables are
+the checkpoint's or fresh (`train.init_tables`); a STEM run may start from its dense
+baseline's checkpoint (fresh tables, the dense up-projections dropped). With
 `train.init_optimizer` its optimizer states are loaded as a resume loads them, and their
 Adam step count goes on from the source's (`optimizer_steps` in the train state: the
 steps the optimizers applied, across stages, a skipped step not among them), so bias
@@ -72,8 +74,15 @@ class Checkpointer:
         init_from = recipe.train.init_from
         self.init_from = checkpoint.resolve(init_from) \
             if self.resume_from is None and init_from else None
+        self.dense_source = self.init_from is not None and checkpoint.is_dense_source(
+            checkpoint.read_recipe(self.init_from), recipe)
         if self.init_from is not None and recipe.train.init_optimizer:
             _check_has_optimizer(self.init_from)
+            if self.dense_source:
+                raise UserError(f"train.init_optimizer: {self.init_from} is a dense model's; "
+                                "a STEM run starts from its weights only (its up-projections' "
+                                "optimizer states have no parameter here): set "
+                                "train.init_optimizer=false")
         # Optimizer steps taken before this run's step 1 (by the runs it was initialized
         # from, with their optimizer states): the Adam step is this + the run's step.
         self._parts = None  # (model, engine, tables), given by `resume`
@@ -86,13 +95,26 @@ class Checkpointer:
             return "from scratch"
         what = "weights and optimizer states" if self.recipe.train.init_optimizer \
             else "weights"
+        if self.dense_source:
+            what = "a dense model's weights: STEM layers' up-projections dropped, fresh tables"
+        elif self.recipe.train.init_tables == "reinit" and self.recipe.model.is_stem:
+            what += ", fresh tables"
         return f"initialized from {self.init_from} ({what})"
 
     def load_weights(self, model) -> None:
-        """The resume point's weights, or `train.init_from`'s, into `model`."""
-        for source in filter(None, (self.resume_from, self.init_from)):
-            checkpoint.check_same_shape(checkpoint.read_recipe(source), self.recipe, source)
-            checkpoint.load_model(model, source)
+        """The resume point's weights, or `train.init_from`'s, into `model`: a new run
+        from a checkpoint keeps or re-initializes its tables (`train.init_tables`), and a
+        STEM run from a dense checkpoint starts fresh tables (`checkpoint.load_model`)."""
+        if self.resume_from is not None:
+            checkpoint.check_same_shape(checkpoint.read_recipe(self.resume_from), self.recipe,
+                                        self.resume_from)
+            checkpoint.load_model(model, self.resume_from)
+        elif self.init_from is not None:
+            dense = self.dense_source
+            checkpoint.check_same_shape(checkpoint.read_recipe(self.init_from), self.recipe,
+                                        self.init_from, dense_source=dense)
+            checkpoint.load_model(model, self.init_from, self.recipe.train.init_tables,
+                                  dense_source=dense)
 
     def resume(self, model, engine, tables) -> int:
         """Restore the resume point's optimizer states into `engine` and `tables` (the

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node N parity.py --out DIR [--tp 2] [--pp 2] [--sp]
              [--recompute] [--load CKPT] [--save CKPT] [--stem 1/2] [--seed N] [--tied]
-             [--documents] [--init truncated_fan_in]
+             [--documents] [--init truncated_fan_in] [--load-dense ITER_DIR]
 
 `--documents`: micro-batches cut into documents, with reset positions and attention kept
 inside each document (model/documents.py).
@@ -15,12 +15,14 @@ import megatron_stem  # noqa: F401
 # isort: split
 import argparse
 import os
+from pathlib import Path
 
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from common import full_named, microbatches, tiny_model
+from megatron_stem import checkpoint
 from megatron_stem.config import ParallelConfig
 from megatron_stem.model import build_model
 from megatron_stem.parallel import destroy_distributed, init_distributed
@@ -42,6 +44,7 @@ def main():
     ap.add_argument("--tied", action="store_true", help="tie input and output embeddings")
     ap.add_argument("--documents", action="store_true")
     ap.add_argument("--init", default="megatron", help="model.init")
+    ap.add_argument("--load-dense", help="a dense checkpoint (iter_N) to start STEM from")
     args = ap.parse_args()
 
     parallel = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp,
@@ -52,6 +55,8 @@ def main():
     model = build_model(cfg, parallel, seed=args.seed)
     if args.load:
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), args.load))
+    if args.load_dense:
+        checkpoint.load_model(model, Path(args.load_dense), dense_source=True)
 
     batches = microbatches(cfg, documents=args.documents)
     result = {"params": full_named(model, model.config, "param")}
