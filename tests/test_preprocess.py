@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import ROOT, subprocess_env
 from megatron_stem.data.indexed import PartWriter, merge, token_dtype
@@ -116,6 +117,41 @@ def test_round_trip_through_megatron_gpt_dataset(tmp_path, sp_model, tok, corpus
         sample = ds[i]
         assert sample["tokens"].tolist() == window[:-1]
         assert sample["labels"].tolist() == window[1:]
+
+
+def test_bos_documents_round_trip_through_preprocessing_and_document_masking(
+        tmp_path, sp_model, tok, corpus_texts):
+    """--prepend-bos --append-eod writes BOS + text + EOD per document (the official STEM
+    code's documents); with document masking every document of a packed sample then
+    starts with BOS at position 0 right after the EOD that closed the one before, its
+    attention starts there, and only the prediction made at an EOD leaves the loss."""
+    from megatron_stem.config import DataConfig, Recipe, TrainConfig
+    from megatron_stem.training.data import StepBatches, build_datasets
+    from workers.common import document_inputs, tiny_model
+
+    texts = corpus_texts[:200]
+    write(tmp_path / "in.jsonl", jsonl_bytes({"text": t} for t in texts))
+    stats = run([tmp_path / "in.jsonl"], tmp_path / "out", sp_model, prepend_bos=True)
+    prefix = stats["outputs"]["text"]
+    assert tok.bos is not None and tok.bos != tok.eod
+    assert read_documents(prefix) == [[tok.bos] + ids for ids in expected_ids(tok, texts)]
+    assert stats["prepend_bos"] is True
+
+    recipe = Recipe(model=tiny_model(vocab_size=tok.vocab_size, seq_length=256),
+                    data=DataConfig(prefixes=[prefix], split="1,0,0", reset_position_ids=True,
+                                    reset_attention_mask=True, eod_mask_loss=True),
+                    train=TrainConfig(seed=3))
+    train, _ = build_datasets(recipe, tok, 8, 0, str(tmp_path / "cache"))
+    (batch,) = StepBatches(train, 8, 8, 0, 1, torch.device("cpu")).microbatches(0)
+    tokens, positions = batch["tokens"], batch["position_ids"]
+    after_eod = torch.zeros_like(tokens, dtype=torch.bool)
+    after_eod[:, 1:] = tokens[:, :-1] == tok.eod
+    assert after_eod.any()
+    assert (tokens[after_eod] == tok.bos).all() and (positions[after_eod] == 0).all()
+    assert torch.equal(batch["loss_mask"] == 0, tokens == tok.eod)
+    expected = document_inputs(tokens, tok.eod)
+    assert torch.equal(positions, expected["position_ids"])
+    assert torch.equal(batch["documents"].cu_seqlens_q, expected["documents"].cu_seqlens_q)
 
 
 def test_same_bytes_as_megatron_builder(tmp_path, sp_model, tok, corpus_texts):

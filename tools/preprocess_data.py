@@ -42,6 +42,10 @@ def parse_args(argv=None) -> PreprocessConfig:
                           "0: do not)")
     tok.add_argument("--append-eod", action="store_true",
                      help="end every document with the tokenizer's end-of-document token")
+    tok.add_argument("--prepend-bos", action="store_true",
+                     help="start every document with the tokenizer's beginning-of-document "
+                          "token (with --append-eod: BOS + text + EOS, as the official STEM "
+                          "code's data)")
     run = ap.add_argument_group("running")
     run.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
                      help="tokenizing threads (gigatoken) or processes (default: the CPUs "
@@ -66,6 +70,7 @@ def parse_args(argv=None) -> PreprocessConfig:
     return PreprocessConfig(
         inputs=a.input, output_prefix=a.output_prefix, tokenizer_type=a.tokenizer_type,
         tokenizer_model=a.tokenizer_model, json_keys=a.json_keys, append_eod=a.append_eod,
+        prepend_bos=a.prepend_bos,
         workers=a.workers, tokenizer_backend=a.tokenizer_backend,
         verify_docs=a.verify_tokenizer, on_error=a.on_error,
         chunk_bytes=None if a.chunk_size_mb is None else int(a.chunk_size_mb * (1 << 20)),

@@ -72,6 +72,7 @@ class PreprocessConfig:
     tokenizer_model: str
     json_keys: list[str] = field(default_factory=lambda: ["text"])
     append_eod: bool = False
+    prepend_bos: bool = False
     workers: int = 1
     tokenizer_backend: str = "auto"  # encoders.BACKENDS
     verify_docs: int = 32  # gigatoken vs the reference library on a run's first documents
@@ -155,6 +156,9 @@ class _Job:
         self.tokenizer = load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_model)
         if cfg.append_eod and self.tokenizer.eod is None:
             raise UserError(f"--append-eod: {self.tokenizer.path} has no end-of-document token")
+        if cfg.prepend_bos and self.tokenizer.bos is None:
+            raise UserError(f"--prepend-bos: {self.tokenizer.path} has no beginning-of-document "
+                            "token")
         outputs = [path for key in cfg.json_keys for path in
                    (bin_path(cfg.output(key)), idx_path(cfg.output(key)))]
         self.shards, ignored = find_shards(
@@ -173,6 +177,8 @@ class _Job:
                          "json_keys": self.keys, "append_eod": cfg.append_eod,
                          "dtype": np.dtype(self.dtype).name,
                          "chunk_bytes": cfg.chunk_bytes or "auto"}
+        if cfg.prepend_bos:  # absent when off: outputs made before the flag stay up to date
+            self.settings["prepend_bos"] = True
         self.identity = _digest({"settings": self.settings,
                                  "shards": [s.identity() for s in self.shards]})
         self.run_stats = Counter()  # this run's own work
@@ -243,6 +249,7 @@ class _Job:
         self.encoder = encoder
         settings = WorkerSettings(cfg.tokenizer_type, cfg.tokenizer_model, encoder.name,
                                   tuple(self.keys), self.tokenizer.eod if cfg.append_eod else None,
+                                  self.tokenizer.bos if cfg.prepend_bos else None,
                                   cfg.on_error == "fail", np.dtype(self.dtype).name)
         if isinstance(encoder, GigatokenEncoder):
             self.counters = ThreadCounters()
@@ -487,7 +494,7 @@ class _Job:
                  "this_run": self._run_dict(seconds),
                  "tokenizer": self.tokenizer.unique_identifiers, "dtype": self.settings["dtype"],
                  "json_keys": self.keys, "append_eod": cfg.append_eod,
-                 "identity": self.identity, "output_bytes": output_bytes}
+                 "prepend_bos": cfg.prepend_bos, "identity": self.identity, "output_bytes": output_bytes}
         stats["tokens"] = sum(stats["tokens_by_key"].values())
         _atomic_json(cfg.stats_path, stats)
         if not cfg.keep_parts:

@@ -33,8 +33,10 @@ class BadRecord(UserError):
 
 def tokenize_chunk(chunk: Chunk, encoder, keys: Sequence[str], eod: Optional[int],
                    fail: bool, dtype: type, prefixes: dict,
-                   report: Callable[[int, int], None] = lambda docs, tokens: None) -> dict:
+                   report: Callable[[int, int], None] = lambda docs, tokens: None,
+                   bos: Optional[int] = None) -> dict:
     """Tokenize a chunk into one part per key (`prefixes[key]`.bin/.idx); return its summary.
+    Each document is framed by `bos` before it and `eod` after it, where given.
 
     A clean chunk is parsed natively and encoded in one call per key (`columns`); any
     other goes record by record, in batches. Under `fail`, the first bad record raises
@@ -57,8 +59,8 @@ def tokenize_chunk(chunk: Chunk, encoder, keys: Sequence[str], eod: Optional[int
         batch_tokens = 0
         for key, column in zip(keys, texts):
             flat, lengths = encoder.encode(column)
-            if eod is not None:
-                flat, lengths = _with_eod(flat, lengths, eod, dtype)
+            if eod is not None or bos is not None:
+                flat, lengths = framed(flat, lengths, bos, eod, dtype)
             writers[key].add(flat, lengths)
             tokens[key] += len(flat)
             batch_tokens += len(flat)
@@ -88,17 +90,23 @@ def tokenize_chunk(chunk: Chunk, encoder, keys: Sequence[str], eod: Optional[int
             "skipped": dict(skipped), "errors": errors}
 
 
-def _with_eod(flat: np.ndarray, lengths: np.ndarray, eod: int,
-              dtype: type) -> tuple[np.ndarray, np.ndarray]:
-    """The documents' ids with `eod` after each, made in `dtype` in one pass (np.insert,
-    then a cast, took three)."""
-    out = np.empty(len(flat) + len(lengths), dtype)
-    ends = np.cumsum(lengths + 1) - 1
+def framed(flat: np.ndarray, lengths: np.ndarray, bos: Optional[int], eod: Optional[int],
+           dtype: type) -> tuple[np.ndarray, np.ndarray]:
+    """The documents' ids with `bos` before and `eod` after each (None: not that one),
+    made in `dtype` in one pass (np.insert, then a cast, took three)."""
+    extra = (bos is not None) + (eod is not None)
+    out = np.empty(len(flat) + extra * len(lengths), dtype)
+    ends = np.cumsum(lengths + extra) - 1  # each document's last place
     tokens = np.ones(len(out), bool)
-    tokens[ends] = False
+    if eod is not None:
+        tokens[ends] = False
+        out[ends] = eod
+    if bos is not None:
+        starts = ends - (lengths + extra - 1)
+        tokens[starts] = False
+        out[starts] = bos
     out[tokens] = flat
-    out[ends] = eod
-    return out, lengths + 1
+    return out, lengths + extra
 
 
 def _record_batches(chunk: Chunk, keys: Sequence[str],
@@ -130,6 +138,7 @@ class WorkerSettings:
     backend: str  # encoders.BACKENDS
     keys: tuple
     eod: Optional[int]
+    bos: Optional[int]
     fail: bool
     dtype: str
 
@@ -167,7 +176,7 @@ class ChunkTokenizer:
     def __call__(self, chunk: Chunk, prefixes: dict) -> dict:
         s = self.settings
         return tokenize_chunk(chunk, self.encoder, s.keys, s.eod, s.fail,
-                              np.dtype(s.dtype).type, prefixes, self._report)
+                              np.dtype(s.dtype).type, prefixes, self._report, s.bos)
 
     def _report(self, docs: int, tokens: int) -> None:
         with self.counters.get_lock():
