@@ -2,6 +2,7 @@
 at two model sizes, on the same tokens, through the real trainer (torchrun, 2 ranks).
 
     nice -n 15 python bench/quality.py [--sizes 64x4,128x4] [--steps 600] [--docs]
+        [--semantics official]    # the official STEM code's conventions: runs/quality_official
     python bench/quality.py --quick        # toy sizes, a few steps: the pipeline only
 
 Every run trains `recipes/tiny_cpu.yaml` (its optimizer, batch, sequence length and seed)
@@ -49,6 +50,13 @@ VARIANTS = {"dense": ("none", "dense"), "third": ("1/3", "STEM 1/3"),
 DOCS_PAGE, DOCS_PNG = ROOT / "docs" / "quality.md", ROOT / "docs" / "quality.png"
 BEGIN, END = "<!-- bench/quality.py: begin -->", "<!-- bench/quality.py: end -->"
 QUICK = {"sizes": "32x4,64x4", "steps": 20, "eval_interval": 10, "eval_iters": 2}
+# --semantics: the training conventions every run follows (docs/design.md, "Fidelity to the
+# paper's code"). "megatron": tiny_cpu.yaml's own; "official": the official STEM code's, as
+# the paper's recipes train (its BOS documents aside: the runs share one set of token files).
+SEMANTICS = {"megatron": [],
+             "official": ["model.init=truncated_fan_in", "optimizer.clip_tables=separate",
+                          "optimizer.decay_norms=true", "optimizer.warmup_from_zero=true",
+                          "optimizer.min_lr_ratio=1.0e-6"]}
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,8 @@ def plan_runs(args, tokenizer: str, documents: str) -> list[Run]:
     common = [f"data.prefixes=[{documents}]", f"data.tokenizer_model={tokenizer}",
               f"train.steps={args.steps}", f"train.eval_interval={args.eval_interval}",
               f"train.eval_iters={args.eval_iters}", f"train.log_interval={args.eval_interval}",
-              f"train.save_interval={args.eval_interval}", "train.keep_last=1"]
+              f"train.save_interval={args.eval_interval}", "train.keep_last=1",
+              *SEMANTICS[args.semantics]]
     runs = []
     for size in args.sizes:
         for variant in args.variants:
@@ -303,12 +312,15 @@ def main():
     ap.add_argument("--eval-iters", type=int, default=12,
                     help="validation micro-batches per rank (the same sequences every time)")
     ap.add_argument("--nproc", type=int, default=2, help="data-parallel ranks")
+    ap.add_argument("--semantics", choices=list(SEMANTICS), default="megatron",
+                    help="training conventions: the recipe's own (megatron's) or the "
+                         "official STEM code's (init, clipping, decay, schedule)")
     ap.add_argument("--data-dir", type=Path, default=ROOT / "runs" / "quickstart",
                     help="tokenizer/ and data/ as tools/quickstart.sh writes them (made if "
                          "missing)")
     ap.add_argument("--out", type=Path, default=None,
                     help="one folder per run and the report (default runs/quality, "
-                         "runs/quality_quick with --quick)")
+                         "runs/quality_official, runs/quality_quick with --quick)")
     ap.add_argument("--quick", action="store_true",
                     help=f"toy sizes {QUICK['sizes']}, {QUICK['steps']} steps")
     ap.add_argument("--docs", action="store_true",
@@ -319,7 +331,11 @@ def main():
             raise UserError("--docs: a --quick run is not the measurement the docs show")
         ap.set_defaults(**QUICK)
         args = ap.parse_args()
-    args.out = args.out or ROOT / "runs" / ("quality_quick" if args.quick else "quality")
+    if args.docs and args.semantics != "megatron":
+        raise UserError("--docs: the docs' table is the megatron-semantics comparison; the "
+                        "official runs' report is <out>/quality.md")
+    suffix = "_quick" if args.quick else "" if args.semantics == "megatron" else "_official"
+    args.out = args.out or ROOT / "runs" / f"quality{suffix}"
     args.sizes, args.variants = parse_sizes(args.sizes), parse_variants(args.variants)
 
     started = time.perf_counter()

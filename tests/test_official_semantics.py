@@ -18,6 +18,7 @@ from megatron_stem.training.engine import build_engine, split_parameters
 from megatron_stem.training.lr import lr_at
 from megatron_stem.training.state import _link_optimizer_states
 from megatron_stem.training.tables.shards import interleaved_order
+from conftest import ROOT
 from test_update import _backward
 from workers.common import TINY, microbatches, tiny_model
 
@@ -196,3 +197,18 @@ def test_truncated_fan_in_init_matches_the_formulas_and_tp2_draws_tp1s_numbers(
     tables = [v for n, v in params[1].items() if ".table." in n]  # xavier over [V, F]
     assert tables and float(torch.cat([t.flatten() for t in tables]).std()) == \
         pytest.approx(math.sqrt(2 / (TINY["vocab_size"] + TINY["ffn_hidden_size"])), rel=0.02)
+
+
+def test_the_quality_bench_runs_the_official_semantics_as_the_papers_recipes_train(
+        monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import quality
+    paper = load_recipe("recipes/stem_350m_half.yaml")
+    for semantics, expected in (("megatron", load_recipe(quality.RECIPE)), ("official", paper)):
+        r = load_recipe(quality.RECIPE, quality.SEMANTICS[semantics])
+        for section, names in (("model", ["init"]),
+                               ("optimizer", ["clip_tables", "decay_norms", "warmup_from_zero",
+                                              "min_lr_ratio"])):
+            for name in names:
+                got, want = (getattr(getattr(x, section), name) for x in (r, expected))
+                assert got == want, f"{semantics}: {section}.{name}"
