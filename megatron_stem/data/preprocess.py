@@ -494,7 +494,8 @@ class _Job:
                  "this_run": self._run_dict(seconds),
                  "tokenizer": self.tokenizer.unique_identifiers, "dtype": self.settings["dtype"],
                  "json_keys": self.keys, "append_eod": cfg.append_eod,
-                 "prepend_bos": cfg.prepend_bos, "identity": self.identity, "output_bytes": output_bytes}
+                 "prepend_bos": cfg.prepend_bos, "identity": self.identity,
+                 "output_bytes": output_bytes}
         stats["tokens"] = sum(stats["tokens_by_key"].values())
         _atomic_json(cfg.stats_path, stats)
         if not cfg.keep_parts:

@@ -43,7 +43,8 @@ def truncated_fan_in_(model: torch.nn.Module, seed: int) -> None:
             full[dim] *= tp if sharded else 1
             std = fan_in_std(tuple(full))
             weight = torch.empty(full)
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            generator = torch.Generator().manual_seed(
+                seed * 1_000_003 + zlib.crc32(name.encode()))
             torch.nn.init.trunc_normal_(weight, 0.0, std, -TRUNCATION * std, TRUNCATION * std,
                                         generator=generator)
             if sharded:
