@@ -4,6 +4,8 @@ config.json round-trips the recipe. (Parity with the real model is in test_hf.py
 import pytest
 import torch
 
+from conftest import ROOT
+
 from megatron_stem.config import ModelConfig, RopeScalingConfig
 from megatron_stem.errors import UserError
 from megatron_stem.hf import names
@@ -155,3 +157,16 @@ def test_a_llama_this_model_cannot_be_is_refused_in_one_line(change, message):
     with pytest.raises(UserError, match=message) as caught:
         names.model_config({**HUB_LLAMA, **change}, "llama/config.json")
     assert str(caught.value).startswith("llama/config.json: ") and "\n" not in str(caught.value)
+
+
+def test_the_llama_recipe_is_llama_3_2_1b_as_imported():
+    """recipes/dense_1b_from_llama.yaml trains the import of Llama-3.2-1B: the same
+    parameter shapes (which init_from checks) and the same RoPE (which it cannot)."""
+    from megatron_stem.checkpoint import parameter_shape
+    from megatron_stem.config import load_recipe
+
+    recipe = load_recipe(ROOT / "recipes" / "dense_1b_from_llama.yaml").model
+    imported = names.model_config(HUB_LLAMA)
+    assert parameter_shape(recipe) == parameter_shape(imported)
+    assert (recipe.rotary_base, recipe.rope_scaling) == (imported.rotary_base,
+                                                         imported.rope_scaling)

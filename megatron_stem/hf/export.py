@@ -1,4 +1,5 @@
-"""megatron-stem checkpoint -> Hugging Face model folder, one tensor at a time.
+"""megatron-stem checkpoint -> Hugging Face model folder, one tensor at a time: a STEM
+model with its model code (remote code), a dense one as transformers' LlamaForCausalLM.
 
 Any checkpoint this project writes converts, whatever TP/PP/DP layout saved it: the model
 part is a layout-free dist checkpoint (see `dist_io`). Every tensor of the checkpoint must
