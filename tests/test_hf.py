@@ -6,7 +6,6 @@ two random HF models at both layouts. Everything else runs in this process: expo
 loading (`trust_remote_code`), generate, round trips, errors, memory, lm-eval.
 """
 
-import glob
 import json
 import os
 import random
@@ -17,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (LM_EVAL_DOCS, ROOT, run_lm_eval_cli, subprocess_env, tool, torchrun,
-                      write_local_lm_eval_tasks)
+from conftest import (LM_EVAL_DOCS, ROOT, hf_tensors, run_lm_eval_cli, subprocess_env, tool,
+                      torchrun, write_local_lm_eval_tasks)
 from megatron_stem import checkpoint
 from megatron_stem.errors import UserError
 from megatron_stem.hf.export import export
@@ -39,15 +38,6 @@ VOCAB = TINY["vocab_size"]  # 300 real ids; megatron pads embeddings/logits to 3
 CASES = ["stem_tp2", "stem_pp2", "dense_tp2", "dense_pp2"]
 HF_SOURCES = {"hf_stem": dict(stem_layers=[1, 3], tie_word_embeddings=False),
               "hf_dense": dict(stem_layers=[], tie_word_embeddings=True)}
-
-
-def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(glob.glob(str(folder / "*.safetensors"))):
-        out.update(load_file(f))
-    return out
 
 
 def load_hf(folder: Path, **kwargs):

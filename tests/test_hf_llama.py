@@ -7,19 +7,17 @@ One torchrun job (`workers/hf_layouts.py`, 2 ranks) loads every import and every
 checkpoint at both layouts; the training runs are `conftest.train`'s.
 """
 
-import glob
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import tool, torchrun
+from conftest import ROOT, hf_tensors, tool, torchrun
 from megatron_stem import checkpoint
 from megatron_stem.hf.export import export
 from megatron_stem.hf.import_ import import_hf
-from workers.common import TINY
+from workers.common import TINY, tiny_model
 from workers.common import hf_tokens as tokens  # what workers/hf_layouts.py runs models on
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download
@@ -35,15 +33,6 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 VARIANTS = {"tied_llama3": (True, LLAMA3), "untied": (False, None),
             "tied": (True, None), "untied_llama3": (False, LLAMA3)}
 TRAINED = ("tied_llama3", "untied")
-
-
-def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(glob.glob(str(folder / "*.safetensors"))):
-        out.update(load_file(f))
-    return out
 
 
 def llama(tied: bool, rope_scaling) -> LlamaForCausalLM:
@@ -206,3 +195,30 @@ def test_an_import_trains_and_exports_as_a_plain_llama_with_its_logits(name, sou
         {k: (v.shape, v.dtype) for k, v in source.items()}
     assert not torch.equal(exported["model.layers.0.mlp.up_proj.weight"],
                            source["model.layers.0.mlp.up_proj.weight"])
+
+
+# ---------------------------------------------------------------------------------------
+# A STEM model keeps its own code, and the same RoPE scaling
+# ---------------------------------------------------------------------------------------
+
+
+def test_a_stem_export_rotates_by_the_same_llama3_frequencies(world1, tmp_path):
+    """A STEM model with `rope_scaling` (e.g. one started from an imported Llama) exports
+    with the shipped model code, which scales RoPE with the training model's own function."""
+    from megatron_stem.config import ParallelConfig, Recipe, RopeScalingConfig
+    from megatron_stem.model import build_model
+
+    scaling = RopeScalingConfig(**{k: v for k, v in LLAMA3.items() if k != "rope_type"})
+    cfg = tiny_model("1/2", rotary_base=10000.0, rope_scaling=scaling, init_std=0.2)
+    net = build_model(cfg, ParallelConfig(), seed=3).eval()
+    with checkpoint.Writer(tmp_path / "ckpt", 1, Recipe(model=cfg)) as folder:
+        checkpoint.save_model(net, folder)
+    out = export(tmp_path / "ckpt", tmp_path / "hf")
+    assert (out / "rope_scaling.py").read_text() == \
+        (ROOT / "megatron_stem/model/rope_scaling.py").read_text()
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    with torch.no_grad():
+        expected = net(tokens(), None, None)[..., :VOCAB]
+        torch.testing.assert_close(model(tokens()).logits, expected, atol=1e-5, rtol=1e-5)
+        model.config.llama3_rope_scaling = None  # the same weights, plain RoPE
+        assert (model(tokens()).logits - expected).abs().max() > 1e-2
