@@ -197,6 +197,8 @@ def hf_config(m: ModelConfig, dtype: str) -> dict:
         return {"architectures": [LLAMA_ARCHITECTURE], "model_type": LLAMA_TYPE, **shared,
                 "rope_scaling": {"rope_type": "llama3", **scaling} if scaling else None,
                 **{key: value for key, value, _ in _LLAMA_FIXED},
+                # LlamaConfig would make up bos 1 / eos 2; a tokenizer's export sets them.
+                "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
                 "use_cache": True, "dtype": dtype, **verbatim}
     return {
         "architectures": [ARCHITECTURE],

@@ -1,10 +1,11 @@
-"""Logits of checkpoints loaded at TP=1 and at TP=2 (run on 2 ranks).
+"""Logits of checkpoints loaded at TP=1, TP=2 and PP=2 (run on 2 ranks).
 
     torchrun --nproc_per_node 2 hf_layouts.py --out FILE --load NAME=CKPT [...]
 
 Each checkpoint (an HF import, or a run trained from one) is built from its own recipe at
-both layouts, loaded, and run on `common.hf_tokens()`. Rank 0 writes FILE:
-{"tokens": ..., "NAME@tp1": logits, "NAME@tp2": logits} (full padded vocab).
+each layout, loaded, and run on `common.hf_tokens()`; tied embeddings skip PP=2 (on CPU
+megatron-core cannot tie across stages: it moves the shared embedding with `.cuda()`).
+Rank 0 writes FILE: {"tokens": ..., "NAME@tp1": logits, ...} (full padded vocab).
 """
 
 # megatron_stem before megatron-core: its import hook keeps megatron-core from importing
@@ -25,7 +26,8 @@ from megatron_stem.config import ParallelConfig
 from megatron_stem.model import build_model
 from megatron_stem.parallel import destroy_distributed, init_distributed
 
-LAYOUTS = {"tp1": ParallelConfig(), "tp2": ParallelConfig(tensor_parallel=2)}
+LAYOUTS = {"tp1": ParallelConfig(), "tp2": ParallelConfig(tensor_parallel=2),
+           "pp2": ParallelConfig(pipeline_parallel=2)}
 
 
 def main():
@@ -41,6 +43,8 @@ def main():
             name, path = item.split("=", 1)
             ckpt = checkpoint.resolve(path)
             cfg = checkpoint.read_recipe(ckpt).model
+            if not cfg.untie_embeddings and parallel.pipeline_parallel > 1:
+                continue
             model = build_model(cfg, parallel, seed=99)
             checkpoint.load_model(model, ckpt)
             model.eval()
