@@ -33,9 +33,8 @@ class StemConfig(PretrainedConfig):
                  num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=None,
                  head_dim=None, max_position_embeddings=2048, rms_norm_eps=1e-5,
                  rope_theta=500000.0, llama3_rope_scaling=None, initializer_range=0.02,
-                 stem_layers=(),
-                 stem_tables_on_cpu=False, stem_table_cache_rows=0, use_cache=True,
-                 tie_word_embeddings=False, **kwargs):
+                 stem_layers=(), stem_tables_on_cpu=False, stem_table_cache_rows=0,
+                 use_cache=True, tie_word_embeddings=False, **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
