@@ -65,6 +65,9 @@ def _coerce(value: Any, typ: Any, where: str):
         options = typing.get_args(typ)
         if value is None and type(None) in options:
             return None
+        if len(options) == 2 and type(None) in options:  # Optional: its type's own message
+            (option,) = [o for o in options if o is not type(None)]
+            return _coerce(value, option, where)
         errors = []
         for option in options:
             if option is type(None):
@@ -162,6 +165,30 @@ _PLACEMENT_STRIDE = {"1/3": 3, "1/2": 2, "full": 1}
 
 
 @dataclass
+class RopeScalingConfig:
+    """Llama 3's RoPE frequency scaling (Hugging Face `rope_scaling` of type `llama3`):
+    wavelengths longer than `original_max_position_embeddings / low_freq_factor` are
+    stretched by `factor`, those shorter than `... / high_freq_factor` kept, and the ones
+    between interpolated. Llama-3.2-1B: factor 32, 1, 4, 8192."""
+
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    type: Literal["llama3"] = "llama3"
+
+    def validate(self) -> None:
+        if self.factor < 1:
+            raise ConfigError(f"factor: must be >= 1, got {self.factor}")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ConfigError(f"high_freq_factor: must exceed low_freq_factor > 0, got "
+                              f"{self.high_freq_factor} and {self.low_freq_factor}")
+        if self.original_max_position_embeddings <= 0:
+            raise ConfigError("original_max_position_embeddings: must be positive, got "
+                              f"{self.original_max_position_embeddings}")
+
+
+@dataclass
 class ModelConfig:
     """Shape of a Llama-style decoder whose FFNs are dense SwiGLU or STEM."""
 
@@ -174,6 +201,7 @@ class ModelConfig:
     num_query_groups: Optional[int] = None  # kv heads; None means as many as query heads
     untie_embeddings: bool = True
     rotary_base: float = 500000.0
+    rope_scaling: Optional[RopeScalingConfig] = None  # None: plain RoPE
     norm_eps: float = 1e-5
     # Initial dense weights (model/init.py). "megatron": N(0, init_std), the output
     # projections (attention out, FFN down) divided by sqrt(2 x num_layers). "truncated_fan_in":

@@ -85,6 +85,16 @@ def tool_main(path: str):
     return module.main
 
 
+def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face model folder's safetensors files, by name."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
 def merge_rank_dumps(folder: Path) -> dict:
     """Union of the per-rank result dumps written by a worker."""
     merged = {"params": {}, "grads": {}}

@@ -6,7 +6,6 @@ two random HF models at both layouts. Everything else runs in this process: expo
 loading (`trust_remote_code`), generate, round trips, errors, memory, lm-eval.
 """
 
-import glob
 import json
 import os
 import random
@@ -17,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (LM_EVAL_DOCS, ROOT, run_lm_eval_cli, subprocess_env, tool, torchrun,
-                      write_local_lm_eval_tasks)
+from conftest import (LM_EVAL_DOCS, ROOT, hf_tensors, run_lm_eval_cli, subprocess_env, tool,
+                      torchrun, write_local_lm_eval_tasks)
 from megatron_stem import checkpoint
 from megatron_stem.errors import UserError
 from megatron_stem.hf.export import export
@@ -41,17 +40,12 @@ HF_SOURCES = {"hf_stem": dict(stem_layers=[1, 3], tie_word_embeddings=False),
               "hf_dense": dict(stem_layers=[], tie_word_embeddings=True)}
 
 
-def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(glob.glob(str(folder / "*.safetensors"))):
-        out.update(load_file(f))
-    return out
-
-
 def load_hf(folder: Path, **kwargs):
-    return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, **kwargs).eval()
+    """As users load an export: a STEM model with its code, a dense one as transformers'
+    own Llama (no remote code)."""
+    remote = (folder / "modeling_stem.py").is_file()
+    return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=remote,
+                                                **kwargs).eval()
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +100,10 @@ def exported(megatron, tmp_path_factory):
 @pytest.mark.parametrize("case", CASES)
 def test_exported_logits_equal_megatron(case, megatron, exported):
     model = load_hf(exported[case])
-    assert model.config.stem_layers == ([1, 3] if case.startswith("stem") else [])
+    if case.startswith("stem"):
+        assert model.config.stem_layers == [1, 3]
+    else:
+        assert type(model) is transformers.LlamaForCausalLM
     with torch.no_grad():
         logits = model(megatron["tokens"]).logits
     assert logits.shape[-1] == VOCAB
@@ -453,11 +450,16 @@ def test_import_refuses_foreign_or_incomplete_hf_folders(hf_sources, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    llama = shutil.copytree(hf_sources["hf_stem"]["dir"], tmp_path / "llama")
-    config = json.loads((llama / "config.json").read_text())
-    (llama / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
-    with pytest.raises(UserError, match="not a megatron-stem export"):
-        import_hf(llama, tmp_path / "ckpt")
+    foreign = shutil.copytree(hf_sources["hf_stem"]["dir"], tmp_path / "foreign")
+    config = json.loads((foreign / "config.json").read_text())
+    (foreign / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(UserError, match="model_type is 'gpt2'; only 'megatron_stem' .* and "
+                                        "'llama' import"):
+        import_hf(foreign, tmp_path / "ckpt")
+    # A Llama is dense: STEM tensors under that name are not one.
+    (foreign / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    with pytest.raises(UserError, match="missing tensor model.layers.1.mlp.up_proj.weight"):
+        import_hf(foreign, tmp_path / "ckpt")
     partial = shutil.copytree(hf_sources["hf_stem"]["dir"], tmp_path / "partial")
     weights = load_file(partial / "model.safetensors")
     del weights["model.layers.1.mlp.table.weight"]

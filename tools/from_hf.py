@@ -1,10 +1,12 @@
-"""Import a Hugging Face export of a megatron-stem model as a megatron-stem checkpoint.
+"""Import a Hugging Face model folder (a megatron-stem export, or a dense Llama such as
+Llama-3.2-1B) as a megatron-stem checkpoint.
 
     python tools/from_hf.py --hf hf/stem_1b --save-dir runs/stem_1b_continued [--step 0]
 
 writes `<save-dir>/iter_<step>/` (recipe.yaml, model dist checkpoint, COMPLETE) and
 `latest`, loadable at any TP/PP layout. Model weights only: optimizer and data position
 start afresh. Exporting the result again gives the same HF tensors bit for bit.
+See docs/export.md.
 """
 
 import argparse
@@ -17,7 +19,7 @@ from megatron_stem.hf.import_ import import_hf
 @cli
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hf", required=True, help="HF model folder written by tools/to_hf.py")
+    ap.add_argument("--hf", required=True, help="HF model folder: a tools/to_hf.py export or a LlamaForCausalLM")
     ap.add_argument("--save-dir", required=True, help="checkpoint save dir to write into")
     ap.add_argument("--step", type=int, default=0, help="iteration number of the checkpoint")
     args = ap.parse_args(argv)

@@ -4,9 +4,10 @@
         [--dtype bf16] [--tokenizer tokenizer/stem.model]
 
 `--checkpoint` is a save dir (its `latest` is exported) or one iter_N folder, written at
-any TP/PP/DP layout. The output loads with
-`AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`. Tensors are streamed
-one at a time: memory stays near the largest tensor. See docs/export.md.
+any TP/PP/DP layout. A STEM model loads with
+`AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`; a dense one is written
+as transformers' own LlamaForCausalLM and needs no remote code. Tensors are streamed one
+at a time: memory stays near the largest tensor. See docs/export.md.
 """
 
 import argparse

@@ -1,4 +1,5 @@
-"""megatron-stem checkpoint -> Hugging Face model folder, one tensor at a time.
+"""megatron-stem checkpoint -> Hugging Face model folder, one tensor at a time: a STEM
+model with its model code (remote code), a dense one as transformers' LlamaForCausalLM.
 
 Any checkpoint this project writes converts, whatever TP/PP/DP layout saved it: the model
 part is a layout-free dist checkpoint (see `dist_io`). Every tensor of the checkpoint must
@@ -30,7 +31,7 @@ from megatron_stem.hf.safetensors_io import (
     shard_name,
     write_index,
 )
-from megatron_stem.model import row_cache
+from megatron_stem.model import rope_scaling, row_cache
 from megatron_stem.tokenizer import check_fits
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -40,6 +41,8 @@ class ExportWarning(UserWarning):
     """Worth telling the user, not worth refusing the export for."""
 
 REMOTE_DIR = Path(__file__).resolve().parent / "remote"
+# Model-code files that are the training model's own modules.
+_SHARED = {"row_cache.py": row_cache, "rope_scaling.py": rope_scaling}
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
 
@@ -110,8 +113,9 @@ def export(checkpoint_dir: str | Path, output: str | Path, dtype: Optional[str] 
 
 def write_model_files(folder: Path, model: ModelConfig, dtype: str,
                       tok: Optional[tokenizer_files.TokenizerFiles]) -> None:
-    """Everything of an export but its weights: config.json, the model code and, with a
-    tokenizer, its files and generation_config.json."""
+    """Everything of an export but its weights: config.json, the model code (a STEM
+    model's; a dense one is transformers' own Llama) and, with a tokenizer, its files and
+    generation_config.json."""
     config = names.hf_config(model, dtype)
     if tok is not None:
         tokenizer_files.write(tok, folder, model.seq_length)
@@ -119,14 +123,15 @@ def write_model_files(folder: Path, model: ModelConfig, dtype: str,
         config.update(special)
         (folder / "generation_config.json").write_text(json.dumps(special, indent=2) + "\n")
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name in names.REMOTE_FILES:
+    for name in names.REMOTE_FILES if model.is_stem else ():
         shutil.copyfile(_remote_source(name), folder / name)
 
 
 def _remote_source(name: str) -> Path:
     """The file an export's model-code file `name` is copied from: hf/remote/'s, but the
-    row cache's own module (hf/remote/row_cache.py only re-exports it in the package)."""
-    return Path(row_cache.__file__) if name == "row_cache.py" else REMOTE_DIR / name
+    modules shared with the training model are copied from model/ (hf/remote/ only
+    re-exports them in the package)."""
+    return Path(_SHARED[name].__file__) if name in _SHARED else REMOTE_DIR / name
 
 
 def _write_weights(reader: CheckpointReader, maps: list[names.TensorMap], folder: Path,

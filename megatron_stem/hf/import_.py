@@ -1,4 +1,6 @@
-"""Hugging Face model folder (a megatron-stem export) -> megatron-stem checkpoint.
+"""Hugging Face model folder (a megatron-stem export, or a dense LlamaForCausalLM) ->
+megatron-stem checkpoint. A Llama becomes a dense model (`stem_layers: none`) of the same
+shape: tied embeddings as `untie_embeddings: false`, its RoPE base and llama3 scaling.
 
 Writes `<save_dir>/iter_N/` in the project's layout (recipe.yaml, a model dist checkpoint,
 COMPLETE, `latest`), one tensor at a time, so `checkpoint.load_model` loads it at any

@@ -16,7 +16,7 @@ parameter name) and the HF tensor(s) it becomes, with the layout change between 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -25,7 +25,7 @@ from megatron_stem.errors import ConfigError, UserError
 
 MODEL_TYPE = "megatron_stem"
 ARCHITECTURE = "StemForCausalLM"
-REMOTE_FILES = ("configuration_stem.py", "modeling_stem.py", "row_cache.py")
+REMOTE_FILES = ("configuration_stem.py", "modeling_stem.py", "row_cache.py", "rope_scaling.py")
 AUTO_MAP = {"AutoConfig": "configuration_stem.StemConfig",
             "AutoModelForCausalLM": "modeling_stem.StemForCausalLM"}
 
@@ -154,6 +154,11 @@ def tensor_map(m: ModelConfig) -> list[TensorMap]:
 # ---------------------------------------------------------------------------------------
 # Config: ModelConfig <-> HF config.json
 # ---------------------------------------------------------------------------------------
+# A STEM model exports as our own architecture (remote code); a dense one is a Llama and
+# exports as transformers' own LlamaForCausalLM. Both import.
+
+LLAMA_TYPE = "llama"
+LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 
 # ModelConfig field -> HF config key, where the meaning is the same.
 CONFIG_FIELDS = {
@@ -170,41 +175,74 @@ CONFIG_FIELDS = {
 # (a resumed run compares the recipe with the checkpoint's, field by field).
 MEGATRON_KEY = "megatron_stem"
 _VERBATIM = ("stem_layers", "num_query_groups", "make_vocab_size_divisible_by", "rotary_base")
+_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# A Llama that is not this architecture: (config key, the only value we build, its default).
+_LLAMA_FIXED = (("hidden_act", "silu", "silu"), ("attention_bias", False, False),
+                ("mlp_bias", False, False))
 
 
 def hf_config(m: ModelConfig, dtype: str) -> dict:
     """config.json of an export of model `m` whose weights are stored in `dtype`."""
-    return {
-        "architectures": [ARCHITECTURE],
-        "model_type": MODEL_TYPE,
-        "auto_map": dict(AUTO_MAP),
+    shared = {
         **{hf: getattr(m, ours) for ours, hf in CONFIG_FIELDS.items()},
         "num_key_value_heads": m.kv_heads,
         "head_dim": m.hidden_size // m.num_attention_heads,
         # megatron builds its RoPE with int(rotary_base): export the base it really used.
         "rope_theta": float(int(m.rotary_base)),
         "tie_word_embeddings": not m.untie_embeddings,
+    }
+    scaling = {k: getattr(m.rope_scaling, k) for k in _SCALING} if m.rope_scaling else None
+    verbatim = {MEGATRON_KEY: {k: getattr(m, k) for k in _VERBATIM}}
+    if not m.is_stem:
+        return {"architectures": [LLAMA_ARCHITECTURE], "model_type": LLAMA_TYPE, **shared,
+                "rope_scaling": {"rope_type": "llama3", **scaling} if scaling else None,
+                **{key: value for key, value, _ in _LLAMA_FIXED},
+                # LlamaConfig would make up bos 1 / eos 2; a tokenizer's export sets them.
+                "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+                "use_cache": True, "dtype": dtype, **verbatim}
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        "auto_map": dict(AUTO_MAP),
+        **shared,
+        "llama3_rope_scaling": scaling,
         "stem_layers": m.stem_layer_indices,
         "stem_tables_on_cpu": False,
         "stem_table_cache_rows": 0,
         "use_cache": True,
         "dtype": dtype,
-        MEGATRON_KEY: {k: getattr(m, k) for k in _VERBATIM},
+        **verbatim,
     }
 
 
 def model_config(hf: dict, source: str = "config.json") -> ModelConfig:
-    """The ModelConfig of an HF config.json written by `hf_config` (possibly re-saved by HF)."""
-    if hf.get("model_type") != MODEL_TYPE:
-        raise UserError(f"{source}: model_type is {hf.get('model_type')!r}, not {MODEL_TYPE!r}: "
-                        "not a megatron-stem export")
+    """The ModelConfig of an HF config.json: a megatron-stem export (possibly re-saved by
+    HF), or a dense Llama (ours or anyone's)."""
+    kind = hf.get("model_type")
+    if kind not in (MODEL_TYPE, LLAMA_TYPE):
+        raise UserError(f"{source}: model_type is {kind!r}; only {MODEL_TYPE!r} (a megatron-stem "
+                        f"export) and {LLAMA_TYPE!r} import")
+    llama = kind == LLAMA_TYPE
+    if llama:  # dense; and keys transformers' LlamaConfig may leave out, at its defaults
+        hf = {"tie_word_embeddings": False, **hf, "stem_layers": [],
+              "num_key_value_heads": hf.get("num_key_value_heads") or hf.get("num_attention_heads")}
+        for key, ours, default in _LLAMA_FIXED:
+            if hf.get(key, default) != ours:
+                raise UserError(f"{source}: {key} is {hf[key]!r}; only {ours!r} imports")
     missing = [k for k in (*CONFIG_FIELDS.values(), "num_key_value_heads", "stem_layers",
-                           "rope_theta", "tie_word_embeddings") if k not in hf]
+                           "tie_word_embeddings") if k not in hf]
     if missing:
         raise UserError(f"{source}: missing {', '.join(missing)}")
+    theta, scaling = _llama_rope(hf, source) if llama else \
+        (hf.get("rope_theta"), hf.get("llama3_rope_scaling"))
+    if theta is None:
+        raise UserError(f"{source}: missing rope_theta")
+    if float(theta) != int(theta):  # megatron-core's RoPE takes an integer base
+        raise UserError(f"{source}: rope_theta {theta} is not an integer")
     data = {ours: hf[key] for ours, key in CONFIG_FIELDS.items()}
-    data.update(num_query_groups=hf["num_key_value_heads"], stem_layers=list(hf["stem_layers"]),
-                rotary_base=hf["rope_theta"], untie_embeddings=not hf["tie_word_embeddings"])
+    data.update(num_query_groups=hf["num_key_value_heads"],
+                stem_layers=list(hf["stem_layers"]) or "none", rotary_base=theta,
+                rope_scaling=scaling, untie_embeddings=not hf["tie_word_embeddings"])
     verbatim = hf.get(MEGATRON_KEY) or {}
     try:
         m = from_dict(ModelConfig, {**data, **verbatim})
@@ -212,10 +250,29 @@ def model_config(hf: dict, source: str = "config.json") -> ModelConfig:
         raise UserError(f"{source}: {e}") from None
     # The verbatim block only respells what the HF fields say; it must not contradict them.
     if (m.stem_layer_indices != sorted(hf["stem_layers"]) or m.kv_heads != hf["num_key_value_heads"]
-            or float(int(m.rotary_base)) != float(hf["rope_theta"])):
+            or float(int(m.rotary_base)) != float(theta)):
         raise UserError(f"{source}: '{MEGATRON_KEY}' disagrees with stem_layers, "
                         "num_key_value_heads or rope_theta")
     if hf.get("head_dim", m.hidden_size // m.num_attention_heads) * m.num_attention_heads \
             != m.hidden_size:
         raise UserError(f"{source}: head_dim x num_attention_heads must equal hidden_size")
     return m
+
+
+def _llama_rope(hf: dict, source: str) -> tuple[Optional[float], Optional[dict]]:
+    """RoPE base and llama3 scaling of a Llama config.json, in either spelling: the hub's
+    `rope_theta` + `rope_scaling`, or transformers 5's `rope_parameters` (theta inside)."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", hf.get("rope_theta"))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UserError(f"{source}: partial_rotary_factor {rope['partial_rotary_factor']} is "
+                        "not supported (RoPE over the whole head only)")
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise UserError(f"{source}: RoPE scaling of type {kind!r} is not supported (only "
+                        "'llama3')")
+    scaling = {k: rope[k] for k in _SCALING if k in rope}
+    scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    return theta, scaling

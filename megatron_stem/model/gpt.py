@@ -12,10 +12,16 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_stem import cpu_compat
-from megatron_stem.config import ModelConfig, ParallelConfig, TableStorageConfig
+from megatron_stem.config import (
+    ModelConfig,
+    ParallelConfig,
+    RopeScalingConfig,
+    TableStorageConfig,
+)
 from megatron_stem.model import documents
 from megatron_stem.model.host_copy import HostCopy
 from megatron_stem.model.init import truncated_fan_in_
+from megatron_stem.model.rope_scaling import llama3_inv_freq
 from megatron_stem.model.spec import block_spec
 from megatron_stem.model.table import StemTable
 
@@ -123,11 +129,22 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234,
     )
     if model.init == "truncated_fan_in":
         truncated_fan_in_(net, seed)
+    if model.rope_scaling is not None:
+        scale_rope(net.rotary_pos_emb, model.rope_scaling)
     if placement == "host":
         place_tables_on_host(net, tables.ranks_per_copy)
     if torch.cuda.is_available():
         net.cuda(torch.cuda.current_device())
     return net
+
+
+def scale_rope(rotary: torch.nn.Module, scaling: RopeScalingConfig) -> None:
+    """Llama 3's frequency scaling in megatron's RotaryEmbedding, before its first forward
+    (which caches what it computes from `inv_freq`). megatron-core's own `rope_scaling`
+    fixes three of the four parameters to Llama 3.1's, so the frequencies are set here."""
+    rotary.inv_freq = llama3_inv_freq(
+        rotary.inv_freq, scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor,
+        scaling.original_max_position_embeddings)
 
 
 def place_tables_on_host(net: torch.nn.Module, ranks_per_copy: int = 0) -> HostCopy:

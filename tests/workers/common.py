@@ -20,6 +20,11 @@ TINY = dict(hidden_size=64, num_layers=4, num_attention_heads=4, num_query_group
             ffn_hidden_size=128, vocab_size=300, seq_length=32)
 
 
+def hf_tokens() -> torch.Tensor:
+    """The fixed [2, 16] ids the Hugging Face parity tests run every model on."""
+    return torch.randint(0, TINY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(3))
+
+
 class HostTable(torch.nn.Module):
     """What a HostTableStore needs of a StemTable: a host `weight`."""
 

@@ -26,7 +26,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-from common import TINY
+from common import TINY, hf_tokens
 from megatron_stem import checkpoint
 from megatron_stem.config import ModelConfig, ParallelConfig, Recipe
 from megatron_stem.model import build_model
@@ -38,10 +38,6 @@ LAYOUTS = {"tp2": ParallelConfig(tensor_parallel=2), "pp2": ParallelConfig(pipel
 KINDS = {"stem": dict(stem_layers="1/2"), "dense": dict(stem_layers="none")}
 TIED = {("dense", "tp2")}
 PROMPT_LEN, NEW_TOKENS = 6, 10
-
-
-def tokens() -> torch.Tensor:
-    return torch.randint(0, TINY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(3))
 
 
 @torch.no_grad()
@@ -78,7 +74,7 @@ def main():
     ap.add_argument("--load", nargs="*", default=[])
     args = ap.parse_args()
 
-    ids = tokens()
+    ids = hf_tokens()
     results = {"tokens": ids, "prompt": ids[:, :PROMPT_LEN]}
     for layout, parallel in LAYOUTS.items():
         init_distributed(parallel, seed=1234)

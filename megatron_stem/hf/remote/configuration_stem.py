@@ -20,6 +20,10 @@ class StemConfig(PretrainedConfig):
     `stem_table_cache_rows`: with `stem_tables_on_cpu`, keep this many rows of each table
     on the compute device for the most frequent ids (LFU with aging), so that decoding is
     served mostly from device memory; 0 = no cache.
+
+    `llama3_rope_scaling`: None for plain RoPE, or Llama 3's frequency scaling as
+    {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings} (under
+    its own key: transformers 5 reserves `rope_scaling` for its own RoPE machinery).
     """
 
     model_type = "megatron_stem"
@@ -28,9 +32,9 @@ class StemConfig(PretrainedConfig):
     def __init__(self, vocab_size=32000, hidden_size=1024, intermediate_size=4096,
                  num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=None,
                  head_dim=None, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                 rope_theta=500000.0, initializer_range=0.02, stem_layers=(),
-                 stem_tables_on_cpu=False, stem_table_cache_rows=0, use_cache=True,
-                 tie_word_embeddings=False, **kwargs):
+                 rope_theta=500000.0, llama3_rope_scaling=None, initializer_range=0.02,
+                 stem_layers=(), stem_tables_on_cpu=False, stem_table_cache_rows=0,
+                 use_cache=True, tie_word_embeddings=False, **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -41,6 +45,7 @@ class StemConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = rope_theta
+        self.llama3_rope_scaling = dict(llama3_rope_scaling) if llama3_rope_scaling else None
         self.initializer_range = initializer_range
         self.stem_layers = sorted(int(i) for i in stem_layers)
         self.stem_tables_on_cpu = stem_tables_on_cpu

@@ -37,6 +37,7 @@ except ImportError:  # older transformers only initializes missing weights anywa
     from torch.nn import init
 
 from .configuration_stem import StemConfig
+from .rope_scaling import llama3_inv_freq
 from .row_cache import RowCache
 
 # transformers 5 renamed the cache field of model outputs from `past_key_values` to `cache`.
@@ -55,7 +56,8 @@ class StemRMSNorm(nn.Module):
 
 
 def rotary_cos_sin(config: StemConfig, position_ids: torch.Tensor, dtype: torch.dtype):
-    """cos/sin [b, 1, s, head_dim] of megatron's default RoPE (non-interleaved, full dim).
+    """cos/sin [b, 1, s, head_dim] of megatron's RoPE (non-interleaved, full dim), with
+    Llama 3's frequency scaling when the config has it.
 
     Computed per call from the config (a handful of flops) rather than held in a buffer,
     so meta-device initialization and `.to()` have nothing to get wrong.
@@ -63,6 +65,8 @@ def rotary_cos_sin(config: StemConfig, position_ids: torch.Tensor, dtype: torch.
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (
         torch.arange(0, dim, 2, dtype=torch.float32, device=position_ids.device) / dim))
+    if config.llama3_rope_scaling:
+        inv_freq = llama3_inv_freq(inv_freq, **config.llama3_rope_scaling)
     freqs = position_ids[..., None].float() * inv_freq  # [b, s, dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]
     return emb.cos().to(dtype), emb.sin().to(dtype)
