@@ -238,11 +238,18 @@ class ParallelConfig:
     sequence_parallel: bool = False
     # "full": recompute each layer's activations in backward (megatron's uniform method).
     recompute: Literal["none", "full"] = "none"
+    # Positions per chunk of the output layer and cross-entropy, which then never hold the
+    # whole logits (model/loss.py; one more output-layer GEMM per token); 0: all positions
+    # at once (megatron's path).
+    loss_chunk_tokens: int = 0
 
     def validate(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.loss_chunk_tokens < 0:
+            raise ConfigError(f"loss_chunk_tokens: must be >= 0 (0 = off), got "
+                              f"{self.loss_chunk_tokens}")
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ConfigError("sequence_parallel: needs tensor_parallel > 1")
 

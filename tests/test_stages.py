@@ -267,6 +267,33 @@ def test_recompute_and_state_on_the_gpus_move_memory_where_they_should():
     assert host.total("tables") < 2e9 < 10e9 < base.total("tables")  # staged rows only
 
 
+def test_the_chunked_loss_keeps_one_chunk_of_logits_and_pays_one_output_gemm():
+    """`parallel.loss_chunk_tokens`: the memory of one chunk's logits (and the output
+    weight's fp32 gradient sum) instead of every position's; the step time one more
+    output-layer GEMM per token, at the compute's rate."""
+    from megatron_stem.planning import hardware, memory
+    from megatron_stem.planning.compute import compute_components
+    from megatron_stem.planning.step import Cluster, workload
+
+    def both(*overrides):
+        r = load_recipe(ROOT / "recipes" / "stem_1b_long.yaml",
+                        ["parallel.loss_chunk_tokens=0", *overrides])
+        h100 = hardware.load("h100")
+        return (memory.memory_per_gpu(r, Cluster(4, 8), h100, rank_rows=7000),
+                compute_components(workload(r, Cluster(4, 8)), Cluster(4, 8), h100))
+
+    (whole, whole_compute), (chunked, chunked_compute) = both(), \
+        both("parallel.loss_chunk_tokens=2048")
+    d, vocab, tokens = 2048, 128256, 32768
+    assert whole.total("activations") - chunked.total("activations") == pytest.approx(
+        (4 + 2) * (tokens - 2048) * vocab - 4 * vocab * d)
+    extra = [c for c in chunked_compute if c.name.startswith("forward recomputed")]
+    assert not any(c.name.startswith("forward recomputed") for c in whole_compute)
+    assert extra[0].amount == pytest.approx(2 * d * vocab * tokens)
+    at_mfu = whole_compute[0]
+    assert extra[0].seconds == pytest.approx(at_mfu.seconds * extra[0].amount / at_mfu.amount)
+
+
 def test_plan_step_prints_the_memory_and_ends_with_the_step_time_line(capsys):
     assert tool_main("tools/plan_step.py")(["--recipe", "recipes/stem_1b_long.yaml", "--baseline",
                       "recipes/dense_1b_long.yaml", "--nodes", "4", "--hardware", "h200"]) == 0

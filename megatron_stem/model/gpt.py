@@ -15,6 +15,7 @@ from megatron_stem import cpu_compat
 from megatron_stem.config import ModelConfig, ParallelConfig, TableStorageConfig
 from megatron_stem.model import documents
 from megatron_stem.model.host_copy import HostCopy
+from megatron_stem.model.loss import chunked_lm_loss
 from megatron_stem.model.spec import block_spec
 from megatron_stem.model.table import StemTable
 
@@ -44,6 +45,10 @@ class StemGPTModel(GPTModel):
     (global) layer, so an edit can reach chosen layers only (knowledge editing).
     """
 
+    def __init__(self, *args, loss_chunk_tokens: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_chunk_tokens = loss_chunk_tokens  # parallel.loss_chunk_tokens
+
     def forward(self, input_ids, position_ids=None, attention_mask=None, *args,
                 stem_ids=None, **kwargs):
         if kwargs.get("padding_mask") is not None:
@@ -63,6 +68,18 @@ class StemGPTModel(GPTModel):
         if position_ids is not None and rotary is not None and inference_context is None:
             rotary = documents.rotary_at(rotary, position_ids)
         return (out[0], rotary, *out[2:5], stem_ids, *out[6:])
+
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, **kwargs):
+        """With `loss_chunk_tokens` and labels, the loss in chunks of positions
+        (model/loss.py), equal to megatron's; otherwise megatron's logits or loss."""
+        if (labels is None or not self.loss_chunk_tokens or not self.post_process
+                or kwargs.get("mtp_in_postprocess") or kwargs.get("inference_context")):
+            return super()._postprocess(hidden_states, input_ids, position_ids, labels,
+                                        **kwargs)
+        weight = self.shared_embedding_or_output_weight() \
+            if self.share_embeddings_and_output_weights else self.output_layer.weight
+        return chunked_lm_loss(hidden_states, weight, labels, self.loss_chunk_tokens,
+                               self.config.sequence_parallel)
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig,
@@ -118,6 +135,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234,
         share_embeddings_and_output_weights=not model.untie_embeddings,
         position_embedding_type="rope",
         rotary_base=int(model.rotary_base),
+        loss_chunk_tokens=parallel.loss_chunk_tokens,
     )
     if placement == "host":
         place_tables_on_host(net, tables.ranks_per_copy)

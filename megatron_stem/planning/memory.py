@@ -26,7 +26,8 @@ backward:
 * activations: the layers' (all of them stored, or with `parallel.recompute: full` each
   layer's input plus the one layer being recomputed), and the logits: the cross-entropy's
   fp32 softmax kept for backward (Korthikanti's 4sbv/t) and the logits in the training
-  dtype while the loss is computed.
+  dtype while the loss is computed; with `parallel.loss_chunk_tokens` those of one chunk
+  of positions, and the output weight's gradient summed over the chunks in fp32.
 
 Host memory per GPU: the tables' optimizer state in CPU memory (`traffic.cpu_state_bytes`:
 with host placement this includes the rank's share of its node's copy), and the backbone's
@@ -192,11 +193,25 @@ def _activation_parts(recipe: Recipe, tokens: int, dtype: int) -> list[Part]:
         out = [Part("activations", "layers (no recompute)", layers * one_layer,
                     f"{layers} layers x {tokens:,} tokens x {h:,} x "
                     f"{per_layer_hidden * scale:g} B")]
-    vocab = m.padded_vocab_size / tp
-    out.append(Part("activations", "logits (fp32 softmax; the logits)",
-                    tokens * vocab * (FP32 + dtype),
-                    f"{tokens:,} tokens x {vocab:,.0f} x ({FP32} + {dtype}) B"))
-    return out
+    return out + _logit_parts(recipe, tokens, dtype)
+
+
+def _logit_parts(recipe: Recipe, tokens: int, dtype: int) -> list[Part]:
+    """The loss's: the fp32 softmax and the logits of every position (megatron's path), or
+    of one chunk of positions and the output weight's fp32 gradient sum (model/loss.py)."""
+    m, par = recipe.model, recipe.parallel
+    vocab = m.padded_vocab_size / par.tensor_parallel
+    chunk = min(par.loss_chunk_tokens, tokens)
+    if not chunk:
+        return [Part("activations", "logits (fp32 softmax; the logits)",
+                     tokens * vocab * (FP32 + dtype),
+                     f"{tokens:,} tokens x {vocab:,.0f} x ({FP32} + {dtype}) B")]
+    return [Part("activations", "loss chunk's logits (fp32 softmax; logits)",
+                 chunk * vocab * (FP32 + dtype),
+                 f"{chunk:,} positions x {vocab:,.0f} x ({FP32} + {dtype}) B"),
+            Part("activations", "output weight's grad over the chunks (fp32)",
+                 vocab * m.hidden_size * FP32,
+                 f"{vocab:,.0f} x {m.hidden_size:,} x {FP32} B")]
 
 
 def report(plan: MemoryPlan) -> list[str]:

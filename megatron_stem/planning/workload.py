@@ -42,6 +42,9 @@ class Workload:
     microbatches: int
     tokens_per_microbatch: int
     flops_per_token: float  # forward + backward, as the trainer's MFU counts them, per TP rank
+    # Forward work done again in backward (activation recompute, the chunked loss's
+    # logits), per token and TP rank: not in MFU's count, but in the step's time.
+    recompute_flops_per_token: float
     head_share: float  # of those FLOPs, the output layer's (first in backward)
     backbone_params: int  # per TP rank: the parameters DeepSpeed trains
     activation_bytes: float
@@ -104,10 +107,26 @@ def workload(recipe: Recipe, cluster: Cluster, exponent: float = row_model.ZIPF_
         m.num_layers / tp
     return Workload(
         name=name, model=m, dp=dp, tp=tp, microbatches=mbs, tokens_per_microbatch=per_mb,
-        flops_per_token=flops / tp, head_share=min(head / flops, 0.9),
+        flops_per_token=flops / tp, recompute_flops_per_token=recompute_flops(recipe) / tp,
+        head_share=min(head / flops, 0.9),
         backbone_params=account(m).active_params // tp, activation_bytes=activations,
         dtype_bytes=2 if t.dtype == "bf16" else 4, zero_stage=recipe.optimizer.zero_stage,
         kernel=recipe.optimizer.tables.kernel, shape=shape, rows=counts)
+
+
+def recompute_flops(recipe: Recipe) -> float:
+    """FLOPs per token that the backward spends computing forward work again (counted as
+    `accounting.py` counts the forward: 2 x the weights' GEMM parameters, 4 x layers x
+    hidden x sequence for attention): `parallel.recompute: full` every layer's forward,
+    `parallel.loss_chunk_tokens` the output layer's."""
+    m, par = recipe.model, recipe.parallel
+    h, vocab = m.hidden_size, m.vocab_size
+    flops = 2 * h * vocab if par.loss_chunk_tokens else 0.0
+    if par.recompute == "full":
+        acc = account(m)
+        layers = acc.active_params - acc.embedding_params * (2 if m.untie_embeddings else 1)
+        flops += 2 * layers + 4 * m.num_layers * h * m.seq_length
+    return flops
 
 
 def expected_rows(vocab: int, dp: int, microbatches: int, per_microbatch: int,

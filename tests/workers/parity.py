@@ -2,10 +2,11 @@
 
     torchrun --nproc_per_node N parity.py --out DIR [--tp 2] [--pp 2] [--sp]
              [--recompute] [--load CKPT] [--save CKPT] [--stem 1/2] [--seed N] [--tied]
-             [--documents]
+             [--documents] [--loss-chunk N] [--loss-mask]
 
 `--documents`: micro-batches cut into documents, with reset positions and attention kept
-inside each document (model/documents.py).
+inside each document (model/documents.py). `--loss-chunk N`: the loss in chunks of N
+positions (model/loss.py); `--loss-mask`: some positions out of the loss (`loss_masked`).
 """
 
 # megatron_stem before megatron-core: its import hook keeps megatron-core from importing
@@ -20,7 +21,7 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-from common import full_named, microbatches, tiny_model
+from common import full_named, loss_masked, microbatches, tiny_model
 from megatron_stem.config import ParallelConfig
 from megatron_stem.model import build_model
 from megatron_stem.parallel import destroy_distributed, init_distributed
@@ -41,11 +42,14 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--tied", action="store_true", help="tie input and output embeddings")
     ap.add_argument("--documents", action="store_true")
+    ap.add_argument("--loss-chunk", type=int, default=0)
+    ap.add_argument("--loss-mask", action="store_true")
     args = ap.parse_args()
 
     parallel = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp,
                               sequence_parallel=args.sp,
-                              recompute="full" if args.recompute else "none")
+                              recompute="full" if args.recompute else "none",
+                              loss_chunk_tokens=args.loss_chunk)
     init_distributed(parallel, seed=args.seed)
     cfg = tiny_model(args.stem, untie_embeddings=not args.tied)
     model = build_model(cfg, parallel, seed=args.seed)
@@ -53,6 +57,8 @@ def main():
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), args.load))
 
     batches = microbatches(cfg, documents=args.documents)
+    if args.loss_mask:
+        batches = loss_masked(batches)
     result = {"params": full_named(model, model.config, "param")}
     if args.pp == 1:
         model.eval()
