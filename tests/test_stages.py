@@ -294,6 +294,31 @@ def test_the_chunked_loss_keeps_one_chunk_of_logits_and_pays_one_output_gemm():
     assert extra[0].seconds == pytest.approx(at_mfu.seconds * extra[0].amount / at_mfu.amount)
 
 
+@pytest.mark.parametrize("modules, freed, flops", [
+    ("[mlp_act]", 2 * 8192, 0),  # silu(gate) x up: elementwise, no GEMM again
+    ("[core_attn]", 0, 4 * 16 * 2048 * 32768),  # flash-style: no s^2 scores counted
+    ("[mlp]", 4 * 8192 + 2048, 2 * 2048 * 8192 * (3 * 11 + 2 * 5)),  # 11 dense, 5 STEM
+])
+def test_selective_recompute_frees_its_modules_and_pays_their_forward(modules, freed, flops):
+    """Each layer keeps `freed` bytes per token less (one layer's come back while it is
+    recomputed); the step computes their forward FLOPs again."""
+    from megatron_stem.planning import hardware, memory
+    from megatron_stem.planning.step import Cluster, workload
+
+    def plan(*overrides):
+        r = load_recipe(ROOT / "recipes" / "stem_1b_long.yaml", list(overrides))
+        return (memory.memory_per_gpu(r, Cluster(4, 8), hardware.load("h100"), rank_rows=7000),
+                workload(r, Cluster(4, 8)))
+
+    (base, base_w), (selective, w) = plan(), plan("parallel.recompute=selective",
+                                                  f"parallel.recompute_modules={modules}")
+    tokens, layers = 32768, 16
+    assert base.total("activations") - selective.total("activations") == pytest.approx(
+        (layers - 1) * freed * tokens)
+    assert w.recompute_flops_per_token - base_w.recompute_flops_per_token == \
+        pytest.approx(flops)
+
+
 def test_plan_step_prints_the_memory_and_ends_with_the_step_time_line(capsys):
     assert tool_main("tools/plan_step.py")(["--recipe", "recipes/stem_1b_long.yaml", "--baseline",
                       "recipes/dense_1b_long.yaml", "--nodes", "4", "--hardware", "h200"]) == 0

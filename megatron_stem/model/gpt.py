@@ -20,6 +20,12 @@ from megatron_stem.model.spec import block_spec
 from megatron_stem.model.table import StemTable
 
 
+# `parallel.recompute_modules` that megatron's TransformerConfig does itself: the attention
+# core (softmax(QK^T)V), and the whole MLP (STEM's gets its token ids through the
+# checkpointed call's `padding_mask`, see StemGPTModel).
+MEGATRON_RECOMPUTE_MODULES = ("core_attn", "mlp")
+
+
 class StemGPTModel(GPTModel):
     """GPTModel that delivers the input token ids to every STEM MLP.
 
@@ -88,6 +94,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig,
     if parallel.recompute == "full":
         recompute = dict(recompute_granularity="full", recompute_method="uniform",
                          recompute_num_layers=1)
+    elif parallel.recompute == "selective":  # mlp_act is ours (model/recompute.py)
+        recompute = dict(recompute_granularity="selective", recompute_modules=[
+            m for m in parallel.recompute_modules if m in MEGATRON_RECOMPUTE_MODULES])
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -127,7 +136,10 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234,
     _quiet_unknown_mlp_warning()
     net = StemGPTModel(
         config=config,
-        transformer_layer_spec=block_spec(model, config, seed, table_placement=placement),
+        transformer_layer_spec=block_spec(
+            model, config, seed, table_placement=placement,
+            recompute_activation=parallel.recompute == "selective"
+            and "mlp_act" in parallel.recompute_modules),
         vocab_size=model.padded_vocab_size,
         max_sequence_length=model.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),

@@ -24,7 +24,8 @@ backward:
   staged rows and hot-row cache (`host`), and with `optimizer.tables.device: accelerator`
   the owned rows' fp32 master and moments (`traffic.device_state_bytes`);
 * activations: the layers' (all of them stored, or with `parallel.recompute: full` each
-  layer's input plus the one layer being recomputed), and the logits: the cross-entropy's
+  layer's input plus the one layer being recomputed, or with `selective` what the
+  recomputed modules do not keep, `selective_freed_bytes`, less), and the logits: the cross-entropy's
   fp32 softmax kept for backward (Korthikanti's 4sbv/t) and the logits in the training
   dtype while the loss is computed; with `parallel.loss_chunk_tokens` those of one chunk
   of positions, and the output weight's gradient summed over the chunks in fp32.
@@ -189,11 +190,35 @@ def _activation_parts(recipe: Recipe, tokens: int, dtype: int) -> list[Part]:
                     + (f" / SP{split}" if split > 1 else "")),
                Part("activations", "one layer recomputed in backward", one_layer,
                     f"{tokens:,} tokens x {h:,} x {per_layer_hidden * scale:g} B")]
+    elif par.recompute == "selective":
+        freed = selective_freed_bytes(recipe) * scale
+        kept = per_layer_hidden * scale - freed
+        modules = ", ".join(par.recompute_modules)
+        out = [Part("activations", f"layers (recomputing {modules})",
+                    layers * kept * tokens * h,
+                    f"{layers} layers x {tokens:,} tokens x {h:,} x {kept:g} B"),
+               Part("activations", "one layer's recomputed parts in backward",
+                    freed * tokens * h, f"{tokens:,} tokens x {h:,} x {freed:g} B")]
     else:
         out = [Part("activations", "layers (no recompute)", layers * one_layer,
                     f"{layers} layers x {tokens:,} tokens x {h:,} x "
                     f"{per_layer_hidden * scale:g} B")]
     return out + _logit_parts(recipe, tokens, dtype)
+
+
+def selective_freed_bytes(recipe: Recipe) -> float:
+    """16-bit bytes x hidden per token and layer that `parallel.recompute_modules` do not
+    keep, of Korthikanti's 34, on this rank. `core_attn`: none (the count already has
+    flash-style attention, which keeps no s^2 scores; it frees memory only where attention
+    materializes them, e.g. the dense document mask on a CPU). `mlp_act`: the activation's
+    output, 2 x ffn bytes (Korthikanti's 8 at ffn 4 x hidden), split by TP. `mlp`:
+    everything the MLP block keeps but its input, the activation's input and output (2 x
+    2 x ffn, split by TP) and its dropout mask (1, split by sequence parallelism)."""
+    m, par = recipe.model, recipe.parallel
+    tp, sp = par.tensor_parallel, par.tensor_parallel if par.sequence_parallel else 1
+    ffn = m.ffn_hidden_size / m.hidden_size
+    freed = {"core_attn": 0.0, "mlp_act": 2 * ffn / tp, "mlp": 4 * ffn / tp + 1 / sp}
+    return sum(freed[name] for name in par.recompute_modules)
 
 
 def _logit_parts(recipe: Recipe, tokens: int, dtype: int) -> list[Part]:

@@ -118,14 +118,22 @@ def recompute_flops(recipe: Recipe) -> float:
     """FLOPs per token that the backward spends computing forward work again (counted as
     `accounting.py` counts the forward: 2 x the weights' GEMM parameters, 4 x layers x
     hidden x sequence for attention): `parallel.recompute: full` every layer's forward,
-    `parallel.loss_chunk_tokens` the output layer's."""
+    `selective` its modules' (`core_attn` attention's scores and values, `mlp` the FFN's
+    GEMMs, `mlp_act` elementwise only: none), `parallel.loss_chunk_tokens` the output
+    layer's."""
     m, par = recipe.model, recipe.parallel
-    h, vocab = m.hidden_size, m.vocab_size
+    h, vocab, layers = m.hidden_size, m.vocab_size, m.num_layers
     flops = 2 * h * vocab if par.loss_chunk_tokens else 0.0
+    attention = 4 * layers * h * m.seq_length
     if par.recompute == "full":
         acc = account(m)
-        layers = acc.active_params - acc.embedding_params * (2 if m.untie_embeddings else 1)
-        flops += 2 * layers + 4 * m.num_layers * h * m.seq_length
+        weights = acc.active_params - acc.embedding_params * (2 if m.untie_embeddings else 1)
+        flops += 2 * weights + attention
+    elif par.recompute == "selective":
+        stem = len(m.stem_layer_indices)  # a STEM FFN has two GEMMs, a dense one three
+        mlp = 2 * h * m.ffn_hidden_size * (3 * (layers - stem) + 2 * stem)
+        flops += attention * ("core_attn" in par.recompute_modules) + \
+            mlp * ("mlp" in par.recompute_modules)
     return flops
 
 

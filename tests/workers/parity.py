@@ -2,11 +2,12 @@
 
     torchrun --nproc_per_node N parity.py --out DIR [--tp 2] [--pp 2] [--sp]
              [--recompute] [--load CKPT] [--save CKPT] [--stem 1/2] [--seed N] [--tied]
-             [--documents] [--loss-chunk N] [--loss-mask]
+             [--documents] [--loss-chunk N] [--loss-mask] [--recompute-modules a,b]
 
 `--documents`: micro-batches cut into documents, with reset positions and attention kept
 inside each document (model/documents.py). `--loss-chunk N`: the loss in chunks of N
-positions (model/loss.py); `--loss-mask`: some positions out of the loss (`loss_masked`).
+positions (model/loss.py); `--loss-mask`: some positions out of the loss (`loss_masked`);
+`--recompute-modules`: selective recompute of these modules.
 """
 
 # megatron_stem before megatron-core: its import hook keeps megatron-core from importing
@@ -44,11 +45,15 @@ def main():
     ap.add_argument("--documents", action="store_true")
     ap.add_argument("--loss-chunk", type=int, default=0)
     ap.add_argument("--loss-mask", action="store_true")
+    ap.add_argument("--recompute-modules", default="")
     args = ap.parse_args()
 
     parallel = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp,
                               sequence_parallel=args.sp,
-                              recompute="full" if args.recompute else "none",
+                              recompute="full" if args.recompute else
+                              "selective" if args.recompute_modules else "none",
+                              recompute_modules=[m for m in args.recompute_modules.split(",")
+                                                 if m],
                               loss_chunk_tokens=args.loss_chunk)
     init_distributed(parallel, seed=args.seed)
     cfg = tiny_model(args.stem, untie_embeddings=not args.tied)
