@@ -248,7 +248,8 @@ def report(plan: MemoryPlan) -> list[str]:
             lines.append(f"  {where + p.name:<58}{p.bytes / 1e9:>9.2f}  {p.counted}")
     by_kind = ", ".join(f"{k} {plan.total(k) / 1e9:.1f}" for k in KINDS)
     verdict = "" if not plan.capacity else \
-        f" of {plan.capacity / 1e9:.0f} GB: " + ("fits" if plan.fits else "DOES NOT FIT")
+        f" of {plan.capacity / 1e9:.0f} GB: " + (
+            f"fits, {1 - plan.total() / plan.capacity:.0%} free" if plan.fits else "DOES NOT FIT")
     lines.append(f"  {'on the GPU':<58}{plan.total() / 1e9:>9.2f}{verdict} ({by_kind})")
     if plan.host:
         lines.append(f"  {'in host memory, per GPU':<58}{plan.host / 1e9:>9.2f}")

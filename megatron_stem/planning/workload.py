@@ -19,6 +19,8 @@ from megatron_stem.planning.traffic import RowCounts, TableShape
 # Activation memory per token per layer in bf16 without recompute, with flash attention
 # (Korthikanti et al. 2022: 34 x hidden bytes per token per layer, the s^2 term gone).
 ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN = 34
+# Elementwise passes over ffn elements of the FFN activation's recompute (`recompute_bytes`).
+MLP_ACT_RECOMPUTE_PASSES = 5
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class Workload:
     # Forward work done again in backward (activation recompute, the chunked loss's
     # logits), per token and TP rank: not in MFU's count, but in the step's time.
     recompute_flops_per_token: float
+    # ... and the bytes of elementwise work it does again (`mlp_act`), per token, TP rank.
+    recompute_bytes_per_token: float
     head_share: float  # of those FLOPs, the output layer's (first in backward)
     backbone_params: int  # per TP rank: the parameters DeepSpeed trains
     activation_bytes: float
@@ -108,6 +112,7 @@ def workload(recipe: Recipe, cluster: Cluster, exponent: float = row_model.ZIPF_
     return Workload(
         name=name, model=m, dp=dp, tp=tp, microbatches=mbs, tokens_per_microbatch=per_mb,
         flops_per_token=flops / tp, recompute_flops_per_token=recompute_flops(recipe) / tp,
+        recompute_bytes_per_token=recompute_bytes(recipe) / tp,
         head_share=min(head / flops, 0.9),
         backbone_params=account(m).active_params // tp, activation_bytes=activations,
         dtype_bytes=2 if t.dtype == "bf16" else 4, zero_stage=recipe.optimizer.zero_stage,
@@ -135,6 +140,17 @@ def recompute_flops(recipe: Recipe) -> float:
         flops += attention * ("core_attn" in par.recompute_modules) + \
             mlp * ("mlp" in par.recompute_modules)
     return flops
+
+
+def recompute_bytes(recipe: Recipe) -> float:
+    """Bytes per token that `parallel.recompute_modules: [mlp_act]` moves through memory
+    again: per layer, silu(gate) (read the gate, write its silu) and the product (read both
+    factors, write it), 5 passes over ffn elements in the training dtype."""
+    m, par = recipe.model, recipe.parallel
+    if par.recompute != "selective" or "mlp_act" not in par.recompute_modules:
+        return 0.0
+    dtype = 2 if recipe.train.dtype == "bf16" else 4
+    return MLP_ACT_RECOMPUTE_PASSES * m.num_layers * m.ffn_hidden_size * dtype
 
 
 def expected_rows(vocab: int, dp: int, microbatches: int, per_microbatch: int,
