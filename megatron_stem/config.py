@@ -513,6 +513,9 @@ class TrainConfig:
     eval_interval: int = 500
     eval_iters: int = 10
     save_interval: int = 1000
+    # Checkpoint files written in the background: a save blocks the step only while the
+    # state is copied to host memory (megatron_stem/background_save.py, docs/checkpoints.md).
+    async_save: bool = False
     keep_last: int = 3
     save_dir: str = "runs/default"
     # A checkpoint whose model weights (backbone and tables) start a new run: the previous
