@@ -50,6 +50,24 @@ def test_chunk_larger_than_the_micro_batch_is_one_chunk(reference):
     assert_equal_within_fp32(_run(1000), reference)
 
 
+def test_bf16_chunked_loss_is_the_whole_logits_loss_within_bf16(world1):
+    """In the training dtype: the same loss, the output weight's gradient (summed over the
+    chunks in fp32) and the hidden states' within bf16 rounding."""
+    def run(chunk):
+        cpu_compat.model_parallel_seed(1234)
+        net = build_model(CFG, ParallelConfig(loss_chunk_tokens=chunk), seed=1234,
+                          params_dtype=torch.bfloat16)
+        loss = forward_backward(net, loss_masked(microbatches(CFG, documents=True)))
+        return loss, full_named(net, net.config, "grad")
+
+    (loss, grads), (ref_loss, ref_grads) = run(CHUNK), run(0)
+    assert grads["output_layer.weight"].dtype == torch.bfloat16
+    assert loss == pytest.approx(ref_loss, rel=1e-3)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name].float(), grad.float(), rtol=2e-2, atol=1e-3,
+                                   msg=lambda m: f"{name}: {m}")  # noqa: B023
+
+
 def test_per_token_loss_and_grads_of_the_function_alone(world1):
     """Random hidden states and weight, non-uniform upstream gradient per token."""
     g = torch.Generator().manual_seed(3)

@@ -196,9 +196,10 @@ def _activation_parts(recipe: Recipe, tokens: int, dtype: int) -> list[Part]:
         modules = ", ".join(par.recompute_modules)
         out = [Part("activations", f"layers (recomputing {modules})",
                     layers * kept * tokens * h,
-                    f"{layers} layers x {tokens:,} tokens x {h:,} x {kept:g} B"),
-               Part("activations", "one layer's recomputed parts in backward",
-                    freed * tokens * h, f"{tokens:,} tokens x {h:,} x {freed:g} B")]
+                    f"{layers} layers x {tokens:,} tokens x {h:,} x {kept:g} B")]
+        if freed:
+            out.append(Part("activations", "one layer's recomputed parts in backward",
+                            freed * tokens * h, f"{tokens:,} tokens x {h:,} x {freed:g} B"))
     else:
         out = [Part("activations", "layers (no recompute)", layers * one_layer,
                     f"{layers} layers x {tokens:,} tokens x {h:,} x "
