@@ -35,7 +35,7 @@ import os
 import shutil
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch.distributed as dist
 
@@ -59,6 +59,15 @@ from megatron_stem.training.state import (
 KEPT = "KEPT"  # a checkpoint `prune` leaves: the divergence guard's last good one
 
 
+class _InFlight(NamedTuple):
+    """A checkpoint written in the background, not yet committed."""
+
+    step: int
+    background: BackgroundSave
+    folder: Path
+    writer: ExitStack  # the checkpoint.Writer's exit (its commit) still to call
+
+
 class Checkpointer:
     """Save and resume of the model, the DeepSpeed engine's optimizer, the tables'
     optimizer and the train state (step, data position), with the run's policy: resume
@@ -79,9 +88,7 @@ class Checkpointer:
         # Optimizer steps taken before this run's step 1 (by the runs it was initialized
         # from, with their optimizer states): the Adam step is this + the run's step.
         self._parts = None  # (model, engine, tables), given by `resume`
-        # A save written in the background: (step, BackgroundSave, its folder, the
-        # Writer's exit still to call), until every rank has written it.
-        self._in_flight = None
+        self._in_flight: _InFlight | None = None  # until every rank has written it
 
     def origin(self) -> str:
         """Where the run starts, as its first log line says it."""
@@ -145,7 +152,7 @@ class Checkpointer:
         are durable. At most one save is in flight: a save due before the last one is
         written waits for it. A stop or the last step waits for its own save too."""
         train = self.recipe.train
-        if self._in_flight is not None and self._in_flight[1].written_everywhere():
+        if self._in_flight is not None and self._in_flight.background.written_everywhere():
             self._commit_in_flight()
         if not (force or step % train.save_interval == 0 or step == train.steps):
             return False
@@ -163,7 +170,7 @@ class Checkpointer:
                     "table_row_order": ROW_ORDER, OPTIMIZER_STEPS: tables.step_count})
             if background is not None:  # committed once written (`_commit_in_flight`)
                 background.start()
-                self._in_flight = (step, background, folder, stack.pop_all())
+                self._in_flight = _InFlight(step, background, folder, stack.pop_all())
         if background is None:
             self._saved(step)
         elif force or step == train.steps:
@@ -175,8 +182,8 @@ class Checkpointer:
         `say` when this rank has to wait for it)."""
         if self._in_flight is None:
             return
-        if say and not self._in_flight[1].written_here() and dist.get_rank() == 0:
-            print(f"{say}waiting for the checkpoint of step {self._in_flight[0]} to be "
+        if say and not self._in_flight.background.written_here() and dist.get_rank() == 0:
+            print(f"{say}waiting for the checkpoint of step {self._in_flight.step} to be "
                   "written", flush=True)
         self._commit_in_flight()
 
