@@ -4,7 +4,9 @@
 
 Measures one process writing and reading a megatron dist checkpoint (torch_dist, the
 training's save strategy, fsync included; the page cache is dropped for the files before
-the load, so it reads from storage). Then predicts the 1B save (recipes/stem_1b.yaml,
+the load, so it reads from storage), and how long a save keeps the training thread:
+synchronous against `train.async_save` (background_save.py: blocked only while the state
+is copied to host memory). Then predicts the 1B save (recipes/stem_1b.yaml,
 bf16 weights + fp32 master and two Adam moments for every parameter) per rank at data
 parallel `--dp`, for three layouts of who writes what:
 
@@ -33,6 +35,7 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 
+from megatron_stem.background_save import BackgroundSave
 from megatron_stem.checkpoint import parallel_save_strategy
 from megatron_stem.config import ParallelConfig, load_recipe
 from megatron_stem.parallel import destroy_distributed, init_distributed
@@ -72,6 +75,30 @@ def measure(size_mb: int, folder: Path) -> tuple[float, float]:
     shutil.rmtree(folder)
     gb = size_mb * 2**20 / 1e9
     return gb / save_s, gb / load_s
+
+
+def blocking(size_mb: int, folder: Path) -> tuple[float, float, float]:
+    """Seconds a save of `size_mb` keeps the training thread: (synchronous save,
+    background save's blocked part, background save until whole and fsynced)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    state = _state(size_mb)
+    sync_dir, async_dir = folder / "sync", folder / "async"
+    for d in (sync_dir, async_dir):
+        d.mkdir(parents=True)
+    start = time.perf_counter()
+    dist_checkpointing.save(state, str(sync_dir), sharded_strategy=parallel_save_strategy())
+    sync_s = time.perf_counter() - start
+    start = time.perf_counter()
+    background = BackgroundSave()
+    background.add(state, async_dir)
+    background.start()
+    blocked_s = time.perf_counter() - start
+    background.finish(async_dir)
+    whole_s = time.perf_counter() - start
+    loaded = dist_checkpointing.load(_state(size_mb, fill=False), str(async_dir))
+    assert all(torch.equal(loaded[k], state[k].data) for k in state)
+    shutil.rmtree(folder)
+    return sync_s, blocked_s, whole_s
 
 
 def tensors_1b(recipe) -> tuple[list[int], list[int], list[int]]:
@@ -114,10 +141,14 @@ def main():
     try:
         folder = Path(args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_", dir="."))
         save_rate, load_rate = measure(args.size_mb, folder / "ckpt")
+        sync_s, blocked_s, whole_s = blocking(args.size_mb, folder / "blocking")
     finally:
         destroy_distributed()
     print(f"{args.size_mb} MB, one process: save {save_rate:.2f} GB/s, load {load_rate:.2f} "
           "GB/s (shared machine: noisy)")
+    print(f"the step waits: synchronous save {sync_s:.2f} s; train.async_save {blocked_s:.2f} "
+          f"s ({blocked_s / sync_s:.3f} of it; whole and fsynced after {whole_s:.2f} s, "
+          "in the background)")
     dense, table_weights, table_states = tensors_1b(
         load_recipe(ROOT / "recipes" / "stem_1b.yaml"))
     tables = table_weights + table_states

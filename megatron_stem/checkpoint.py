@@ -168,12 +168,21 @@ def _file_sizes(folder: Path) -> dict[str, int]:
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != RECIPE}
 
 
-def save_model(model, folder: Path) -> None:
+def save_model(model, folder: Path, background=None) -> None:
     if _is_writer():
         (folder / MODEL).mkdir(exist_ok=True)
     _barrier()
-    dist_checkpointing.save(model.sharded_state_dict(), str(folder / MODEL),
-                            sharded_strategy=parallel_save_strategy())
+    save_sharded(model.sharded_state_dict(), folder / MODEL, background)
+
+
+def save_sharded(sharded_state_dict: dict, folder: Path, background=None) -> None:
+    """A dist checkpoint of `sharded_state_dict` in `folder`, written now, or planned and
+    copied to host memory now and written by `background` (a `BackgroundSave`)."""
+    if background is not None:
+        background.add(sharded_state_dict, folder)
+    else:
+        dist_checkpointing.save(sharded_state_dict, str(folder),
+                                sharded_strategy=parallel_save_strategy())
 
 
 def parallel_save_strategy() -> FullyParallelSaveStrategyWrapper | None:

@@ -270,13 +270,36 @@ class ParallelConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     sequence_parallel: bool = False
-    # "full": recompute each layer's activations in backward (megatron's uniform method).
-    recompute: Literal["none", "full"] = "none"
+    # "full": recompute each layer's activations in backward (megatron's uniform method);
+    # "selective": only `recompute_modules` of each layer (docs/training.md, "Activation
+    # recompute", says what each saves and costs).
+    recompute: Literal["none", "selective", "full"] = "none"
+    # With recompute: selective (megatron's --recompute-modules): "core_attn" attention's
+    # softmax(QK^T)V, "mlp_act" the FFN's activation silu(gate) x up (or x the table's
+    # rows), "mlp" the whole FFN.
+    recompute_modules: list[Literal["core_attn", "mlp_act", "mlp"]] = field(
+        default_factory=list)
+    # Positions per chunk of the output layer and cross-entropy, which then never hold the
+    # whole logits (model/loss.py; one more output-layer GEMM per token); 0: all positions
+    # at once (megatron's path).
+    loss_chunk_tokens: int = 0
 
     def validate(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if (self.recompute == "selective") != bool(self.recompute_modules):
+            raise ConfigError("recompute_modules: give them with recompute: selective (and "
+                              f"only then), got recompute: {self.recompute} and "
+                              f"{self.recompute_modules}")
+        if len(set(self.recompute_modules)) != len(self.recompute_modules):
+            raise ConfigError(f"recompute_modules: listed twice in {self.recompute_modules}")
+        if {"mlp", "mlp_act"} <= set(self.recompute_modules):
+            raise ConfigError("recompute_modules: mlp recomputes the whole FFN, its "
+                              "activation (mlp_act) included: give one of them")
+        if self.loss_chunk_tokens < 0:
+            raise ConfigError(f"loss_chunk_tokens: must be >= 0 (0 = off), got "
+                              f"{self.loss_chunk_tokens}")
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ConfigError("sequence_parallel: needs tensor_parallel > 1")
 
@@ -549,6 +572,9 @@ class TrainConfig:
     eval_interval: int = 500
     eval_iters: int = 10
     save_interval: int = 1000
+    # Checkpoint files written in the background: a save blocks the step only while the
+    # state is copied to host memory (megatron_stem/background_save.py, docs/checkpoints.md).
+    async_save: bool = False
     keep_last: int = 3
     save_dir: str = "runs/default"
     # A checkpoint whose model weights (backbone and tables) start a new run: the previous

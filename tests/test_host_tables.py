@@ -224,7 +224,7 @@ def _loss_and_grads(model, tokens, labels):
     return loss.detach(), grads
 
 
-@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("recompute", ["none", "full", "mlp", "mlp_act"])
 def test_host_model_equals_device_model(world1, recompute):
     """Same init, same loss, same backbone grads and table row grads (bit for bit: both
     placements sum them the same way); under activation recompute the replayed forward
@@ -238,8 +238,10 @@ def test_host_model_equals_device_model(world1, recompute):
     torch.manual_seed(0)
     device_model = build_model(model_config, ParallelConfig())
     torch.manual_seed(0)
-    host_model = build_model(model_config, ParallelConfig(recompute=recompute),
-                             tables=TableStorageConfig(placement="host"))
+    selective = recompute.startswith("mlp")  # those modules of selective recompute
+    parallel = ParallelConfig(recompute="selective", recompute_modules=[recompute]) \
+        if selective else ParallelConfig(recompute=recompute)
+    host_model = build_model(model_config, parallel, tables=TableStorageConfig(placement="host"))
     host = [m for m in host_model.modules() if isinstance(m, StemTable)]
     dev = [m for m in device_model.modules() if isinstance(m, StemTable)]
     assert len(host) == 2 and all(torch.equal(h.weight, d.weight) for h, d in zip(host, dev))

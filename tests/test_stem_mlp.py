@@ -59,9 +59,9 @@ def test_stem_layer_without_token_ids_is_an_error(world1):
 def test_placement_builds_stem_layers_exactly_where_asked(world1):
     model = build_model(tiny_model([1, 2]), ParallelConfig())
     kinds = [type(layer.mlp).__name__ for layer in model.decoder.layers]
-    assert kinds == ["MLP", "StemMLP", "StemMLP", "MLP"]
+    assert kinds == ["SwiGLUMLP", "StemMLP", "StemMLP", "SwiGLUMLP"]
     dense = build_model(tiny_model("none"), ParallelConfig())
-    assert all(type(layer.mlp).__name__ == "MLP" for layer in dense.decoder.layers)
+    assert all(type(layer.mlp).__name__ == "SwiGLUMLP" for layer in dense.decoder.layers)
 
 
 def test_table_init_is_xavier_normal_and_independent_of_tp_size():

@@ -103,6 +103,14 @@ def test_document_masking_trains_through_the_engine(train, reference):
     assert result["losses"][-1] < result["losses"][0] - 0.2
     assert result["losses"][0] != pytest.approx(reference["lazy"]["losses"][0], rel=1e-4)
 
+def test_the_loss_in_chunks_and_selective_recompute_train_the_reference_curve(train,
+                                                                               reference):
+    """The 32k stage's memory settings (docs/training.md) through the DeepSpeed engine."""
+    result = train(1, "parallel.loss_chunk_tokens=20", "parallel.recompute=selective",
+                   "parallel.recompute_modules=[core_attn,mlp_act]", name="memory")
+    assert_same_curve(result["losses"], reference["lazy"]["losses"])
+
+
 def test_resuming_a_weights_only_checkpoint_is_a_clear_error(world1, tmp_path):
     from megatron_stem import checkpoint
     from megatron_stem.config import ParallelConfig, Recipe, TrainConfig

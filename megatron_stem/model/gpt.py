@@ -22,8 +22,15 @@ from megatron_stem.model import documents
 from megatron_stem.model.host_copy import HostCopy
 from megatron_stem.model.init import truncated_fan_in_
 from megatron_stem.model.rope_scaling import llama3_inv_freq
+from megatron_stem.model.loss import chunked_lm_loss
 from megatron_stem.model.spec import block_spec
 from megatron_stem.model.table import StemTable
+
+
+# `parallel.recompute_modules` that megatron's TransformerConfig does itself: the attention
+# core (softmax(QK^T)V), and the whole MLP (STEM's gets its token ids through the
+# checkpointed call's `padding_mask`, see StemGPTModel).
+MEGATRON_RECOMPUTE_MODULES = ("core_attn", "mlp")
 
 
 class StemGPTModel(GPTModel):
@@ -51,6 +58,10 @@ class StemGPTModel(GPTModel):
     (global) layer, so an edit can reach chosen layers only (knowledge editing).
     """
 
+    def __init__(self, *args, loss_chunk_tokens: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_chunk_tokens = loss_chunk_tokens  # parallel.loss_chunk_tokens
+
     def forward(self, input_ids, position_ids=None, attention_mask=None, *args,
                 stem_ids=None, **kwargs):
         if kwargs.get("padding_mask") is not None:
@@ -71,6 +82,18 @@ class StemGPTModel(GPTModel):
             rotary = documents.rotary_at(rotary, position_ids)
         return (out[0], rotary, *out[2:5], stem_ids, *out[6:])
 
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, **kwargs):
+        """With `loss_chunk_tokens` and labels, the loss in chunks of positions
+        (model/loss.py), equal to megatron's; otherwise megatron's logits or loss."""
+        if (labels is None or not self.loss_chunk_tokens or not self.post_process
+                or kwargs.get("mtp_in_postprocess") or kwargs.get("inference_context")):
+            return super()._postprocess(hidden_states, input_ids, position_ids, labels,
+                                        **kwargs)
+        weight = self.shared_embedding_or_output_weight() \
+            if self.share_embeddings_and_output_weights else self.output_layer.weight
+        return chunked_lm_loss(hidden_states, weight, labels, self.loss_chunk_tokens,
+                               self.config.sequence_parallel)
+
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig,
                        params_dtype: torch.dtype = torch.float32) -> TransformerConfig:
@@ -78,6 +101,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig,
     if parallel.recompute == "full":
         recompute = dict(recompute_granularity="full", recompute_method="uniform",
                          recompute_num_layers=1)
+    elif parallel.recompute == "selective":  # mlp_act is ours (model/recompute.py)
+        recompute = dict(recompute_granularity="selective", recompute_modules=[
+            m for m in parallel.recompute_modules if m in MEGATRON_RECOMPUTE_MODULES])
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -118,7 +144,10 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234,
     _quiet_unknown_mlp_warning()
     net = StemGPTModel(
         config=config,
-        transformer_layer_spec=block_spec(model, config, seed, table_placement=placement),
+        transformer_layer_spec=block_spec(
+            model, config, seed, table_placement=placement,
+            recompute_activation=parallel.recompute == "selective"
+            and "mlp_act" in parallel.recompute_modules),
         vocab_size=model.padded_vocab_size,
         max_sequence_length=model.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -126,6 +155,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234,
         share_embeddings_and_output_weights=not model.untie_embeddings,
         position_embedding_type="rope",
         rotary_base=int(model.rotary_base),
+        loss_chunk_tokens=parallel.loss_chunk_tokens,
     )
     if model.init == "truncated_fan_in":
         truncated_fan_in_(net, seed)

@@ -23,6 +23,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron_stem.config import ModelConfig
 from megatron_stem.model.attention import SDPAttention
 from megatron_stem.model.norm import RMSNorm
+from megatron_stem.model.recompute import down_of_recomputed, swiglu
 from megatron_stem.model.stem_mlp import StemMLP, StemMLPSubmodules
 from megatron_stem.model.table import StemTable
 
@@ -32,16 +33,34 @@ def table_seed(seed: int, layer_index: int) -> int:
     return seed * 1_000_003 + layer_index
 
 
-def dense_mlp_spec() -> ModuleSpec:
-    return ModuleSpec(module=MLP, submodules=MLPSubmodules(
-        linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+class SwiGLUMLP(MLP):
+    """megatron's dense MLP (SwiGLU, no bias), whose activation may be recomputed in
+    backward (model/recompute.py)."""
+
+    def __init__(self, *args, recompute_activation: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.recompute_activation = recompute_activation
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        if not self.recompute_activation:
+            return super().forward(hidden_states, per_token_scale, **kwargs)
+        fc1_output, _ = self.linear_fc1(hidden_states)
+        return down_of_recomputed(swiglu, (fc1_output,), self.linear_fc2)
 
 
-def stem_mlp_spec(vocab_size: int, seed: int, table_placement: str = "device") -> ModuleSpec:
+def dense_mlp_spec(recompute_activation: bool = False) -> ModuleSpec:
+    return ModuleSpec(module=SwiGLUMLP, params={"recompute_activation": recompute_activation},
+                      submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                               linear_fc2=RowParallelLinear))
+
+
+def stem_mlp_spec(vocab_size: int, seed: int, table_placement: str = "device",
+                  recompute_activation: bool = False) -> ModuleSpec:
     return ModuleSpec(
         module=StemMLP,
         params={"vocab_size": vocab_size, "table_seed": seed,
-                "table_placement": table_placement},
+                "table_placement": table_placement,
+                "recompute_activation": recompute_activation},
         submodules=StemMLPSubmodules(
             linear_gate=ColumnParallelLinear, table=StemTable, linear_down=RowParallelLinear))
 
@@ -65,16 +84,18 @@ def layer_spec(mlp: ModuleSpec) -> ModuleSpec:
 
 
 def block_spec(model: ModelConfig, config: TransformerConfig, seed: int,
-               pp_rank: int | None = None,
-               table_placement: str = "device") -> TransformerBlockSubmodules:
+               pp_rank: int | None = None, table_placement: str = "device",
+               recompute_activation: bool = False) -> TransformerBlockSubmodules:
     """Specs of the layers held by pipeline stage `pp_rank` (default: this rank's);
-    `table_placement` as `tables.placement`."""
+    `table_placement` as `tables.placement`; `recompute_activation`: the FFNs' activation
+    recomputed in backward (`parallel.recompute_modules: [mlp_act]`)."""
     first = get_transformer_layer_offset(config, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, pp_rank=pp_rank)
     stem = set(model.stem_layer_indices)
     specs = [
-        layer_spec(stem_mlp_spec(model.vocab_size, table_seed(seed, i), table_placement)
-                   if i in stem else dense_mlp_spec())
+        layer_spec(stem_mlp_spec(model.vocab_size, table_seed(seed, i), table_placement,
+                                 recompute_activation)
+                   if i in stem else dense_mlp_spec(recompute_activation))
         for i in range(first, first + count)
     ]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)

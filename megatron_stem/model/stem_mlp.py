@@ -12,6 +12,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
+from megatron_stem.model.recompute import down_of_recomputed
+
 
 @dataclass
 class StemMLPSubmodules:
@@ -33,8 +35,9 @@ class StemMLP(MegatronModule):
     def __init__(self, config: TransformerConfig, submodules: StemMLPSubmodules,
                  vocab_size: int, table_seed: int,
                  tp_group: Optional[torch.distributed.ProcessGroup] = None,
-                 table_placement: str = "device"):
+                 table_placement: str = "device", recompute_activation: bool = False):
         super().__init__(config=config)
+        self.recompute_activation = recompute_activation  # model/recompute.py
         tp_group = get_tensor_model_parallel_group_if_none(tp_group)
         linear_args = dict(config=config, bias=False, skip_bias_add=True, is_expert=False,
                            tp_group=tp_group)
@@ -67,4 +70,10 @@ class StemMLP(MegatronModule):
         # Under SP the gate all-gathers the sequence, so its output covers all s positions.
         gate, _ = self.linear_gate(hidden_states)  # [s, b, ffn/tp]
         rows = self.table(token_ids.t())  # [s, b, ffn/tp]
-        return self.linear_down(F.silu(gate) * rows)
+        if self.recompute_activation:
+            return down_of_recomputed(_gated, (gate, rows), self.linear_down)
+        return self.linear_down(_gated(gate, rows))
+
+
+def _gated(gate: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * rows

@@ -18,6 +18,9 @@ what it costs at its own shape, not the step's average rate. On top of that:
   training/engine.py), filled by its hooks every micro-batch (the first a cast, 6 B per
   parameter; the others a cast and an add, 18 B); fp32 training accumulates in autograd
   (12 B per parameter from the second micro-batch);
+* forward work the backward does again (`Workload.recompute_flops_per_token`: activation
+  recompute, the chunked loss's logits), at the same MFU: not in MFU's count, in the time;
+  the FFN activation's elementwise recompute (`mlp_act`) as passes through memory;
 * the loop's host syncs: `loss.item()` after every micro-batch's backward (train.py) and the
   loss's mean over data parallel.
 """
@@ -81,6 +84,14 @@ def compute_components(w: Workload, cluster: Cluster, hw: Hardware) -> list[Comp
         b = TABLE_ROW_PASSES * w.tokens * w.shape.width * w.shape.tables * w.dtype_bytes
         out.append(Component("table rows in fwd/bwd (memory)", "mem", b, "B",
                              hw.device_pass_seconds(b, rpn, hw.table_rows_bw), "compute"))
+    if w.recompute_flops_per_token:
+        flops = w.recompute_flops_per_token * w.tokens
+        out.append(Component("forward recomputed in backward (at MFU)", "gpu", flops, "FLOP",
+                             flops / hw.compute_rate(rpn), "compute"))
+    if w.recompute_bytes_per_token:
+        b = w.recompute_bytes_per_token * w.tokens
+        out.append(Component("FFN activations recomputed in backward (memory)", "mem", b, "B",
+                             hw.device_pass_seconds(b, rpn), "compute"))
     b = accumulation_bytes(w)
     if b:
         out.append(Component("backbone grad accumulation (memory)", "mem", b, "B",

@@ -24,9 +24,11 @@ backward:
   staged rows and hot-row cache (`host`), and with `optimizer.tables.device: accelerator`
   the owned rows' fp32 master and moments (`traffic.device_state_bytes`);
 * activations: the layers' (all of them stored, or with `parallel.recompute: full` each
-  layer's input plus the one layer being recomputed), and the logits: the cross-entropy's
+  layer's input plus the one layer being recomputed, or with `selective` what the
+  recomputed modules do not keep, `selective_freed_bytes`, less), and the logits: the cross-entropy's
   fp32 softmax kept for backward (Korthikanti's 4sbv/t) and the logits in the training
-  dtype while the loss is computed.
+  dtype while the loss is computed; with `parallel.loss_chunk_tokens` those of one chunk
+  of positions, and the output weight's gradient summed over the chunks in fp32.
 
 Host memory per GPU: the tables' optimizer state in CPU memory (`traffic.cpu_state_bytes`:
 with host placement this includes the rank's share of its node's copy), and the backbone's
@@ -188,15 +190,54 @@ def _activation_parts(recipe: Recipe, tokens: int, dtype: int) -> list[Part]:
                     + (f" / SP{split}" if split > 1 else "")),
                Part("activations", "one layer recomputed in backward", one_layer,
                     f"{tokens:,} tokens x {h:,} x {per_layer_hidden * scale:g} B")]
+    elif par.recompute == "selective":
+        freed = selective_freed_bytes(recipe) * scale
+        kept = per_layer_hidden * scale - freed
+        modules = ", ".join(par.recompute_modules)
+        out = [Part("activations", f"layers (recomputing {modules})",
+                    layers * kept * tokens * h,
+                    f"{layers} layers x {tokens:,} tokens x {h:,} x {kept:g} B")]
+        if freed:
+            out.append(Part("activations", "one layer's recomputed parts in backward",
+                            freed * tokens * h, f"{tokens:,} tokens x {h:,} x {freed:g} B"))
     else:
         out = [Part("activations", "layers (no recompute)", layers * one_layer,
                     f"{layers} layers x {tokens:,} tokens x {h:,} x "
                     f"{per_layer_hidden * scale:g} B")]
-    vocab = m.padded_vocab_size / tp
-    out.append(Part("activations", "logits (fp32 softmax; the logits)",
-                    tokens * vocab * (FP32 + dtype),
-                    f"{tokens:,} tokens x {vocab:,.0f} x ({FP32} + {dtype}) B"))
-    return out
+    return out + _logit_parts(recipe, tokens, dtype)
+
+
+def selective_freed_bytes(recipe: Recipe) -> float:
+    """16-bit bytes x hidden per token and layer that `parallel.recompute_modules` do not
+    keep, of Korthikanti's 34, on this rank. `core_attn`: none (the count already has
+    flash-style attention, which keeps no s^2 scores; it frees memory only where attention
+    materializes them, e.g. the dense document mask on a CPU). `mlp_act`: the activation's
+    output, 2 x ffn bytes (Korthikanti's 8 at ffn 4 x hidden), split by TP. `mlp`:
+    everything the MLP block keeps but its input, the activation's input and output (2 x
+    2 x ffn, split by TP) and its dropout mask (1, split by sequence parallelism)."""
+    m, par = recipe.model, recipe.parallel
+    tp, sp = par.tensor_parallel, par.tensor_parallel if par.sequence_parallel else 1
+    ffn = m.ffn_hidden_size / m.hidden_size
+    freed = {"core_attn": 0.0, "mlp_act": 2 * ffn / tp, "mlp": 4 * ffn / tp + 1 / sp}
+    return sum(freed[name] for name in par.recompute_modules)
+
+
+def _logit_parts(recipe: Recipe, tokens: int, dtype: int) -> list[Part]:
+    """The loss's: the fp32 softmax and the logits of every position (megatron's path), or
+    of one chunk of positions and the output weight's fp32 gradient sum (model/loss.py)."""
+    m, par = recipe.model, recipe.parallel
+    vocab = m.padded_vocab_size / par.tensor_parallel
+    chunk = min(par.loss_chunk_tokens, tokens)
+    if not chunk:
+        return [Part("activations", "logits (fp32 softmax; the logits)",
+                     tokens * vocab * (FP32 + dtype),
+                     f"{tokens:,} tokens x {vocab:,.0f} x ({FP32} + {dtype}) B")]
+    return [Part("activations", "loss chunk's logits (fp32 softmax; logits)",
+                 chunk * vocab * (FP32 + dtype),
+                 f"{chunk:,} positions x {vocab:,.0f} x ({FP32} + {dtype}) B"),
+            Part("activations", "output weight's grad over the chunks (fp32)",
+                 vocab * m.hidden_size * FP32,
+                 f"{vocab:,.0f} x {m.hidden_size:,} x {FP32} B")]
 
 
 def report(plan: MemoryPlan) -> list[str]:
@@ -208,7 +249,8 @@ def report(plan: MemoryPlan) -> list[str]:
             lines.append(f"  {where + p.name:<58}{p.bytes / 1e9:>9.2f}  {p.counted}")
     by_kind = ", ".join(f"{k} {plan.total(k) / 1e9:.1f}" for k in KINDS)
     verdict = "" if not plan.capacity else \
-        f" of {plan.capacity / 1e9:.0f} GB: " + ("fits" if plan.fits else "DOES NOT FIT")
+        f" of {plan.capacity / 1e9:.0f} GB: " + (
+            f"fits, {1 - plan.total() / plan.capacity:.0%} free" if plan.fits else "DOES NOT FIT")
     lines.append(f"  {'on the GPU':<58}{plan.total() / 1e9:>9.2f}{verdict} ({by_kind})")
     if plan.host:
         lines.append(f"  {'in host memory, per GPU':<58}{plan.host / 1e9:>9.2f}")

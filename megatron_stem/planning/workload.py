@@ -19,6 +19,8 @@ from megatron_stem.planning.traffic import RowCounts, TableShape
 # Activation memory per token per layer in bf16 without recompute, with flash attention
 # (Korthikanti et al. 2022: 34 x hidden bytes per token per layer, the s^2 term gone).
 ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN = 34
+# Elementwise passes over ffn elements of the FFN activation's recompute (`recompute_bytes`).
+MLP_ACT_RECOMPUTE_PASSES = 5
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,11 @@ class Workload:
     microbatches: int
     tokens_per_microbatch: int
     flops_per_token: float  # forward + backward, as the trainer's MFU counts them, per TP rank
+    # Forward work done again in backward (activation recompute, the chunked loss's
+    # logits), per token and TP rank: not in MFU's count, but in the step's time.
+    recompute_flops_per_token: float
+    # ... and the bytes of elementwise work it does again (`mlp_act`), per token, TP rank.
+    recompute_bytes_per_token: float
     head_share: float  # of those FLOPs, the output layer's (first in backward)
     backbone_params: int  # per TP rank: the parameters DeepSpeed trains
     activation_bytes: float
@@ -104,10 +111,46 @@ def workload(recipe: Recipe, cluster: Cluster, exponent: float = row_model.ZIPF_
         m.num_layers / tp
     return Workload(
         name=name, model=m, dp=dp, tp=tp, microbatches=mbs, tokens_per_microbatch=per_mb,
-        flops_per_token=flops / tp, head_share=min(head / flops, 0.9),
+        flops_per_token=flops / tp, recompute_flops_per_token=recompute_flops(recipe) / tp,
+        recompute_bytes_per_token=recompute_bytes(recipe) / tp,
+        head_share=min(head / flops, 0.9),
         backbone_params=account(m).active_params // tp, activation_bytes=activations,
         dtype_bytes=2 if t.dtype == "bf16" else 4, zero_stage=recipe.optimizer.zero_stage,
         kernel=recipe.optimizer.tables.kernel, shape=shape, rows=counts)
+
+
+def recompute_flops(recipe: Recipe) -> float:
+    """FLOPs per token that the backward spends computing forward work again (counted as
+    `accounting.py` counts the forward: 2 x the weights' GEMM parameters, 4 x layers x
+    hidden x sequence for attention): `parallel.recompute: full` every layer's forward,
+    `selective` its modules' (`core_attn` attention's scores and values, `mlp` the FFN's
+    GEMMs, `mlp_act` elementwise only: none), `parallel.loss_chunk_tokens` the output
+    layer's."""
+    m, par = recipe.model, recipe.parallel
+    h, vocab, layers = m.hidden_size, m.vocab_size, m.num_layers
+    flops = 2 * h * vocab if par.loss_chunk_tokens else 0.0
+    attention = 4 * layers * h * m.seq_length
+    if par.recompute == "full":
+        acc = account(m)
+        weights = acc.active_params - acc.embedding_params * (2 if m.untie_embeddings else 1)
+        flops += 2 * weights + attention
+    elif par.recompute == "selective":
+        stem = len(m.stem_layer_indices)  # a STEM FFN has two GEMMs, a dense one three
+        mlp = 2 * h * m.ffn_hidden_size * (3 * (layers - stem) + 2 * stem)
+        flops += attention * ("core_attn" in par.recompute_modules) + \
+            mlp * ("mlp" in par.recompute_modules)
+    return flops
+
+
+def recompute_bytes(recipe: Recipe) -> float:
+    """Bytes per token that `parallel.recompute_modules: [mlp_act]` moves through memory
+    again: per layer, silu(gate) (read the gate, write its silu) and the product (read both
+    factors, write it), 5 passes over ffn elements in the training dtype."""
+    m, par = recipe.model, recipe.parallel
+    if par.recompute != "selective" or "mlp_act" not in par.recompute_modules:
+        return 0.0
+    dtype = 2 if recipe.train.dtype == "bf16" else 4
+    return MLP_ACT_RECOMPUTE_PASSES * m.num_layers * m.ffn_hidden_size * dtype
 
 
 def expected_rows(vocab: int, dp: int, microbatches: int, per_microbatch: int,

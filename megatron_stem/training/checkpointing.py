@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import os
 import shutil
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch.distributed as dist
 
 from megatron_stem import checkpoint
+from megatron_stem.background_save import BackgroundSave
 from megatron_stem.config import Recipe
 from megatron_stem.errors import UserError
 from megatron_stem.training.tables.shards import ROW_ORDER, check_row_order
@@ -57,6 +59,15 @@ from megatron_stem.training.state import (
 
 
 KEPT = "KEPT"  # a checkpoint `prune` leaves: the divergence guard's last good one
+
+
+class _InFlight(NamedTuple):
+    """A checkpoint written in the background, not yet committed."""
+
+    step: int
+    background: BackgroundSave
+    folder: Path
+    writer: ExitStack  # the checkpoint.Writer's exit (its commit) still to call
 
 
 class Checkpointer:
@@ -86,6 +97,7 @@ class Checkpointer:
         # Optimizer steps taken before this run's step 1 (by the runs it was initialized
         # from, with their optimizer states): the Adam step is this + the run's step.
         self._parts = None  # (model, engine, tables), given by `resume`
+        self._in_flight: _InFlight | None = None  # until every rank has written it
 
     def origin(self) -> str:
         """Where the run starts, as its first log line says it."""
@@ -153,24 +165,69 @@ class Checkpointer:
 
     def save(self, step: int, force: bool = False) -> bool:
         """Save a complete checkpoint of `step` when one is due (or `force`: a stop), on
-        every rank together; returns whether it saved."""
+        every rank together (call it after every step: it also commits a background save
+        that every rank has written); returns whether it saved.
+
+        With `train.async_save` the step waits only while the state is copied to host
+        memory; the files are written in the background (`background_save.py`) and the
+        checkpoint committed (COMPLETE, `latest`) at a later step, once every rank's files
+        are durable. At most one save is in flight: a save due before the last one is
+        written waits for it. A stop or the last step waits for its own save too."""
         train = self.recipe.train
+        if self._in_flight is not None and self._in_flight.background.written_everywhere():
+            self._commit_in_flight()
         if not (force or step % train.save_interval == 0 or step == train.steps):
             return False
+        self.wait_for_save(f"step {step} | ")
         model, engine, tables = self._parts
         tables.finish()  # an overlapped update: the model's tables complete
-        with checkpoint.Writer(self.save_dir, step, self.recipe) as folder:
-            checkpoint.save_model(model, folder)
-            save_optimizers(model, engine.optimizer, tables, folder)
+        background = BackgroundSave() if train.async_save else None
+        with ExitStack() as stack:
+            folder = stack.enter_context(checkpoint.Writer(self.save_dir, step, self.recipe))
+            checkpoint.save_model(model, folder, background)
+            save_optimizers(model, engine.optimizer, tables, folder, background)
             if dist.get_rank() == 0:
                 save_train_state(folder, step, {
                     "consumed_samples": step * train.global_batch_size,
                     "table_row_order": ROW_ORDER, OPTIMIZER_STEPS: tables.step_count})
+            if background is not None:  # committed once written (`_commit_in_flight`)
+                background.start()
+                self._in_flight = _InFlight(step, background, folder, stack.pop_all())
+        if background is None:
+            self._saved(step)
+        elif force or step == train.steps:
+            self.wait_for_save()
+        return True
+
+    def wait_for_save(self, say: str = "") -> None:
+        """Commit the background save in flight, if any, once written (saying so after
+        `say` when this rank has to wait for it)."""
+        if self._in_flight is None:
+            return
+        if say and not self._in_flight.background.written_here() and dist.get_rank() == 0:
+            print(f"{say}waiting for the checkpoint of step {self._in_flight.step} to be "
+                  "written", flush=True)
+        self._commit_in_flight()
+
+    def _commit_in_flight(self) -> None:
+        step, background, folder, writer = self._in_flight
+        self._in_flight = None
+        try:
+            background.finish(folder)
+        except Exception as e:
+            writer.__exit__(type(e), e, e.__traceback__)  # not committed: latest unchanged
+            raise UserError(f"{folder}: the checkpoint of step {step} could not be written "
+                            f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                            "the last whole checkpoint is still the one `latest` names"
+                            ) from None
+        writer.close()  # checkpoint.Writer's commit: COMPLETE, then `latest`
+        self._saved(step)
+
+    def _saved(self, step: int) -> None:
         if dist.get_rank() == 0:
-            prune(self.save_dir, train.keep_last)
+            prune(self.save_dir, self.recipe.train.keep_last)
             print(f"step {step} | saved {self.save_dir / checkpoint.iter_name(step)}",
                   flush=True)
-        return True
 
 
 def _has_optimizer(ckpt: Path) -> bool:

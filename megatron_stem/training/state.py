@@ -26,7 +26,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
-from megatron_stem.checkpoint import parallel_save_strategy
+from megatron_stem.checkpoint import save_sharded
 from megatron_stem.errors import UserError
 from megatron_stem.training.tables.adam import replay_deepspeed_steps
 from megatron_stem.training.tables.optimizer import TableOptimizer
@@ -108,7 +108,10 @@ def _link_optimizer_states(zero_optimizer) -> None:
                                             zero_optimizer.optimizer.state)
 
 
-def save_optimizers(model, zero_optimizer, tables: TableOptimizer, folder: Path) -> None:
+def save_optimizers(model, zero_optimizer, tables: TableOptimizer, folder: Path,
+                    background=None) -> None:
+    """The dense and table optimizer states into `folder` (`background`: planned and
+    copied now, written by it, `checkpoint.save_sharded`)."""
     table_states = tables.state_tensors()
     _link_optimizer_states(zero_optimizer)
 
@@ -120,8 +123,8 @@ def save_optimizers(model, zero_optimizer, tables: TableOptimizer, folder: Path)
         return _dense_states(param)
 
     (folder / OPTIM).mkdir(exist_ok=True)
-    dist_checkpointing.save(_optimizer_sharded_state(model, tables, states_of),
-                            str(folder / OPTIM), sharded_strategy=parallel_save_strategy())
+    save_sharded(_optimizer_sharded_state(model, tables, states_of), folder / OPTIM,
+                 background)
 
 
 def _create_dense_states(zero_optimizer, step: int) -> None:

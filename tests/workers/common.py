@@ -56,6 +56,13 @@ def microbatches(model: ModelConfig, count=2, batch=2, seed=0,
     return out
 
 
+def loss_masked(batches: list[dict], seed: int = 1) -> list[dict]:
+    """The micro-batches with about a third of their positions out of the loss."""
+    g = torch.Generator().manual_seed(seed)
+    return [{**mb, "loss_mask": (torch.rand(mb["loss_mask"].shape, generator=g) > 0.3).float()}
+            for mb in batches]
+
+
 def eod_token(model: ModelConfig) -> int:
     return model.vocab_size - 1
 

@@ -3,9 +3,12 @@
     torchrun --nproc_per_node N parity.py --out DIR [--tp 2] [--pp 2] [--sp]
              [--recompute] [--load CKPT] [--save CKPT] [--stem 1/2] [--seed N] [--tied]
              [--documents] [--init truncated_fan_in] [--load-dense ITER_DIR]
+             [--loss-chunk N] [--loss-mask] [--recompute-modules a,b]
 
 `--documents`: micro-batches cut into documents, with reset positions and attention kept
-inside each document (model/documents.py).
+inside each document (model/documents.py). `--loss-chunk N`: the loss in chunks of N
+positions (model/loss.py); `--loss-mask`: some positions out of the loss (`loss_masked`);
+`--recompute-modules`: selective recompute of these modules.
 """
 
 # megatron_stem before megatron-core: its import hook keeps megatron-core from importing
@@ -21,7 +24,7 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-from common import full_named, microbatches, tiny_model
+from common import full_named, loss_masked, microbatches, tiny_model
 from megatron_stem import checkpoint
 from megatron_stem.config import ParallelConfig
 from megatron_stem.model import build_model
@@ -45,11 +48,18 @@ def main():
     ap.add_argument("--documents", action="store_true")
     ap.add_argument("--init", default="megatron", help="model.init")
     ap.add_argument("--load-dense", help="a dense checkpoint (iter_N) to start STEM from")
+    ap.add_argument("--loss-chunk", type=int, default=0)
+    ap.add_argument("--loss-mask", action="store_true")
+    ap.add_argument("--recompute-modules", default="")
     args = ap.parse_args()
 
     parallel = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp,
                               sequence_parallel=args.sp,
-                              recompute="full" if args.recompute else "none")
+                              recompute="full" if args.recompute else
+                              "selective" if args.recompute_modules else "none",
+                              recompute_modules=[m for m in args.recompute_modules.split(",")
+                                                 if m],
+                              loss_chunk_tokens=args.loss_chunk)
     init_distributed(parallel, seed=args.seed)
     cfg = tiny_model(args.stem, untie_embeddings=not args.tied, init=args.init)
     model = build_model(cfg, parallel, seed=args.seed)
@@ -59,6 +69,8 @@ def main():
         checkpoint.load_model(model, Path(args.load_dense), dense_source=True)
 
     batches = microbatches(cfg, documents=args.documents)
+    if args.loss_mask:
+        batches = loss_masked(batches)
     result = {"params": full_named(model, model.config, "param")}
     if args.pp == 1:
         model.eval()

@@ -1,7 +1,9 @@
 """Run the trainer on a tiny model and dump its result as JSON.
 
     torchrun --nproc_per_node N train_worker.py --data PREFIX --out FILE.json
-             [--preempt-at STEP|-1] [section.field=value ...]
+             [--preempt-at STEP|-1] [--slow-save STEP:SECONDS] [--full-disk-at STEP]
+             [--kill-at STEP]
+             [section.field=value ...]
 """
 
 import argparse
@@ -60,6 +62,25 @@ def delay_the_rest(seconds: float) -> None:
     Overlap._run = delayed
 
 
+def slow_save(step: int, seconds: int, full_disk_at: int) -> None:
+    """The background writer of step `step`'s checkpoint sleeps before its files; that of
+    step `full_disk_at`'s finds the disk full."""
+    import errno
+
+    from megatron_stem import background_save
+    from megatron_stem.checkpoint import iter_name
+
+    write = background_save._write_buckets
+
+    def slow(transforms, buckets, results):
+        if buckets and f"{iter_name(step)}.tmp" in buckets[0][0]:
+            time.sleep(seconds)
+        if buckets and f"{iter_name(full_disk_at)}.tmp" in buckets[0][0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(transforms, buckets, results)
+    background_save._write_buckets = slow
+
+
 def plant_nan(step: int) -> None:
     """Rank 1's own row gradients of its first table get a NaN at `step`."""
     import torch.distributed as dist
@@ -91,6 +112,13 @@ def main():
     ap.add_argument("--delay-rest", type=float, default=0.0,
                     help="seconds the overlapped table update waits before the rows the "
                          "next step does not read: a wrong split of the rows then shows")
+    ap.add_argument("--slow-save", default="",
+                    help="STEP:SECONDS: the background writer of step STEP's checkpoint "
+                         "waits this long before writing its files")
+    ap.add_argument("--full-disk-at", type=int, default=0,
+                    help="the background writer of this step's checkpoint fails: no space")
+    ap.add_argument("--kill-at", type=int, default=0,
+                    help="every rank kills itself (SIGKILL) after this step")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     data = {"model": {**TINY, "stem_layers": "1/2"},
@@ -108,7 +136,12 @@ def main():
         peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         if step == args.preempt_at and int(os.environ["RANK"]) == 0:
             os.kill(os.getpid(), signal.SIGUSR1)
+        if step == args.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
 
+    if args.slow_save or args.full_disk_at:
+        step, seconds = map(int, args.slow_save.split(":")) if args.slow_save else (0, 0)
+        slow_save(step, seconds, args.full_disk_at)
     if args.delay_rest:
         delay_the_rest(args.delay_rest)
     if args.plant_nan:
