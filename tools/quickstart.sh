@@ -20,7 +20,8 @@ fi
 if [ ! -f "$OUT/data/gcide_text_document.idx" ]; then
   "$PY" tools/preprocess_data.py --input data_corpus/gcide.jsonl.gz --json-keys text \
       --output-prefix "$OUT/data/gcide" --tokenizer-type sentencepiece \
-      --tokenizer-model "$OUT/tokenizer/gcide.model" --append-eod --workers "$NPROC"
+      --tokenizer-model "$OUT/tokenizer/gcide.model" --append-eod --workers "$NPROC" \
+      --single-prefix
 fi
 OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
     -m megatron_stem.train --recipe recipes/tiny_cpu.yaml \
