@@ -7,7 +7,8 @@ journaled merge), on synthetic parts.
 A part is what one chunk of text becomes (8 MiB of text is about 2M Llama-3 tokens: 8 MB
 of int32). The parts are written and synced first, then merged; they are still in the page
 cache then, as they are not after a long tokenizing run, so the figures bound the read side
-from above. Everything is written under --dir (default: a temporary folder in the current
+from above. Each copy starts after a sync of everything written before it, and ends with
+its outputs synced. Everything is written under --dir (default: a temporary folder in the current
 one, i.e. on the filesystem to be measured) and removed at the end.
 """
 
@@ -41,6 +42,7 @@ def make_parts(folder: str, count: int, part_bytes: int) -> list:
 
 def timed(what: str, parts: list, run) -> None:
     size = sum(os.path.getsize(bin_path(p.prefixes["text"])) for p in parts)
+    os.sync()  # what was written before is not this copy's write-back
     start = time.perf_counter()
     made = run()
     seconds = time.perf_counter() - start
