@@ -43,8 +43,7 @@ import numpy as np
 
 from megatron_stem.data.encoders import (BACKENDS, GigatokenEncoder, ReferenceEncoder,
                                          first_difference, load_encoder)
-from megatron_stem.data.durable import read_json as _read_json
-from megatron_stem.data.durable import write_json as _atomic_json
+from megatron_stem.data.durable import read_json, write_json
 from megatron_stem.data.indexed import bin_path, idx_path, merge_resumable, sync, token_dtype
 from megatron_stem.data.prefix_sets import (DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_TOKENS, FORMAT,
                                             MANIFEST, MAX_DOCUMENTS, GroupWriter, Part,
@@ -317,13 +316,13 @@ class _Job:
     def _chunks(self, shard: Shard, done: dict) -> list:
         """The summaries of a finished shard's chunks, in order."""
         shard_dir = self._shard_dir(shard)
-        return [_read_json(self._chunk_json(shard_dir, i)) for i in range(done["chunks"])]
+        return [read_json(self._chunk_json(shard_dir, i)) for i in range(done["chunks"])]
 
     def _part_prefixes(self, shard_dir: str, index: int) -> dict:
         return {k: os.path.join(shard_dir, f"{index:06d}_{k}") for k in self.keys}
 
     def _finished(self, shard: Shard) -> Optional[dict]:
-        done = _read_json(os.path.join(self._shard_dir(shard), "done.json"))
+        done = read_json(os.path.join(self._shard_dir(shard), "done.json"))
         return done if done is not None and done.get("source") == self._source(shard) else None
 
     def _check_reused(self, shard: Shard, first_error: Optional[list]) -> None:
@@ -399,7 +398,7 @@ class _Job:
                         self._skip(state, item, progress)
                         continue
                     state.chunks += 1
-                    manifest = _read_json(self._chunk_json(state.dir, item.index))
+                    manifest = read_json(self._chunk_json(state.dir, item.index))
                     if manifest is not None:  # finished by an earlier run
                         self._check_reused(shard, (manifest["errors"] or [None])[0])
                         progress.resumed(item.disk_bytes)
@@ -450,11 +449,11 @@ class _Job:
             return None
         state = _ShardState(shard, self._shard_dir(shard))
         source_path = os.path.join(state.dir, "source.json")
-        if _read_json(source_path) != self._source(shard):
+        if read_json(source_path) != self._source(shard):
             # Parts made from another version of the file or other settings are stale.
             shutil.rmtree(state.dir, ignore_errors=True)
             os.makedirs(state.dir)
-            _atomic_json(source_path, self._source(shard))
+            write_json(source_path, self._source(shard))
         return state
 
     def _skip(self, state: _ShardState, skip: Skip, progress: Progress) -> None:
@@ -493,7 +492,7 @@ class _Job:
         the disk with a CPU idle (this thread mostly waits anyway)."""
         for prefix in self._part_prefixes(state.dir, chunk.index).values():
             sync(prefix)
-        _atomic_json(self._chunk_json(state.dir, chunk.index), summary)
+        write_json(self._chunk_json(state.dir, chunk.index), summary)
         state.pending -= 1
         progress.add(input_bytes=chunk.input_bytes, disk_bytes=chunk.disk_bytes)
         self.run_stats.update(chunks_processed=1, documents=summary["documents"],
@@ -517,8 +516,8 @@ class _Job:
         totals = _Totals(self.keys)
         totals.add_errors(state.errors)
         for i in range(state.chunks):
-            totals.add_chunk(_read_json(self._chunk_json(state.dir, i)))
-        _atomic_json(os.path.join(state.dir, "done.json"),
+            totals.add_chunk(read_json(self._chunk_json(state.dir, i)))
+        write_json(os.path.join(state.dir, "done.json"),
                      {"source": self._source(state.shard), "chunks": state.chunks,
                       "shard_errors": state.errors, "first_error": totals.first_error,
                       **totals.as_dict()})
@@ -558,7 +557,7 @@ class _Job:
                 "tokenizer_backend": self.encoder.name if self.encoder else None}
 
     def _up_to_date(self) -> Optional[dict]:
-        stats = _read_json(self.cfg.stats_path)
+        stats = read_json(self.cfg.stats_path)
         if stats is None or stats.get("identity") != self.identity:
             return None
         for path, size in stats.get("output_files", {}).items():
@@ -617,11 +616,12 @@ class _Job:
             raise UserError(f"{len(missing)} of {self.num_groups} groups are not finished, e.g. "
                             f"group {missing[0]}: {path} {why}; run every preprocessing task "
                             "to the end before --merge-only")
+        listed = {k: [p for r in records for p in r[k]["prefixes"]] for k in self.keys}
         files = []
         for key in self.keys:
             folder = cfg.output(key)
-            manifest = set_record(self.header, [p for r in records for p in r[key]["prefixes"]])
-            _atomic_json(os.path.join(folder, MANIFEST), manifest)
+            manifest = set_record(self.header, listed[key])
+            write_json(os.path.join(folder, MANIFEST), manifest)
             remove_unlisted(folder, manifest, self.num_groups)
             files += [os.path.join(folder, MANIFEST)] + [
                 path for p in manifest["prefixes"]
@@ -633,12 +633,8 @@ class _Job:
         if logs != [cfg.errors_path]:  # a run without groups wrote it already
             totals["first_errors"] = _write_lines(cfg.errors_path, _lines_of(logs))
         totals["errors_log"] = cfg.errors_path if totals["first_errors"] else None
-        stats = self._write_stats(seconds, totals, self._prefix_paths(
-            {k: {"prefixes": [p for r in records for p in r[k]["prefixes"]]}
-             for k in self.keys}), files)
-        if not cfg.keep_parts:
-            shutil.rmtree(cfg.parts_dir, ignore_errors=True)
-        return stats
+        prefixes = self._prefix_paths({k: {"prefixes": listed[k]} for k in self.keys})
+        return self._write_stats(seconds, totals, prefixes, files)
 
     def _write_stats(self, seconds: float, totals: dict, prefixes: dict, files: list) -> dict:
         cfg = self.cfg
@@ -652,8 +648,8 @@ class _Job:
                  "identity": self.identity,
                  "output_files": {path: os.path.getsize(path) for path in files}}
         stats["tokens"] = sum(stats["tokens_by_key"].values())
-        _atomic_json(cfg.stats_path, stats)
-        if cfg.single_prefix and not cfg.keep_parts:
+        write_json(cfg.stats_path, stats)
+        if not cfg.keep_parts:
             shutil.rmtree(cfg.parts_dir, ignore_errors=True)
         return stats
 
