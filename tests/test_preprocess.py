@@ -194,6 +194,19 @@ def test_several_keys_make_aligned_outputs(tmp_path, sp_model, tok):
             expected_ids(tok, [r[key] for r in kept], eod=False)
     assert stats["skipped"] == {"missing_key": 1}
     assert stats["first_errors"] == [f"{tmp_path}/in.jsonl:5: missing_key: no key 'title'"]
+    # As prefix sets: the keys' prefixes hold the same documents, cut where either key's
+    # next part would pass the limit.
+    sets = run([tmp_path / "in.jsonl"], tmp_path / "set", sp_model, json_keys=["title", "text"],
+               append_eod=False, chunk_bytes=300, prefix_max_tokens=140)
+    manifests = {k: manifest_of(sets["outputs"][k]) for k in ("title", "text")}
+    cuts = {k: [(p["name"], p["documents"]) for p in m["prefixes"]] for k, m in manifests.items()}
+    assert cuts["title"] == cuts["text"]
+    assert all(p["tokens"] <= 140 for m in manifests.values() for p in m["prefixes"])
+    # The texts (about twice the titles' tokens) decide: the titles alone would make fewer.
+    assert len(cuts["text"]) > manifests["title"]["tokens"] // 140 + 1
+    for key in ("title", "text"):
+        docs = [d for p in sets["prefixes"][key] for d in read_documents(p["prefix"])]
+        assert docs == expected_ids(tok, [r[key] for r in kept], eod=False)
 
 
 def test_token_dtype_follows_vocab_size(tmp_path):
