@@ -594,7 +594,7 @@ def test_array_groups_then_merge(shards, reference, sp_model, tmp_path):
                     prefix_max_tokens=20_000)
         assert stats["group"] == [g, 3] and stats["this_run"]["documents"] > 0
     with pytest.raises(UserError, match=r"^3 of 3 .* group 0: .* is from other inputs or "
-                       r"settings \(--merge-only takes the tasks' flags\)"):
+                       r"settings \(--merge-only takes the tasks' flags\), or a prefix"):
         run([shards], prefix, sp_model, merge_only=True)  # other limits
     copies = []
     with mock.patch.object(indexed, "_copy", lambda *a: copies.append(a)):
@@ -606,11 +606,19 @@ def test_array_groups_then_merge(shards, reference, sp_model, tmp_path):
               for g in range(3)]
     assert manifest_of(folder)["prefixes"] == [p for g in groups for p in g["prefixes"]]
     assert not Path(f"{prefix}.parts").exists()
-    # A requeued task with nothing left, and the merge once done, do nothing.
+    # A requeued task with nothing left, and the merge once done, do nothing; a prefix
+    # lost meanwhile is missed by the merge, and a rerun of its task makes it again.
     again = run([shards], prefix, sp_model, num_groups=3, group_index=1, prefix_max_tokens=20_000)
     assert again["this_run"]["groups_resumed"] == 1 and again["this_run"]["chunks_processed"] == 0
     assert run([shards], prefix, sp_model, merge_only=True,
                prefix_max_tokens=20_000).get("up_to_date")
+    lost = folder / f"{manifest_of(folder)['prefixes'][-1]['name']}.idx"
+    lost.unlink()
+    with pytest.raises(UserError, match=r"^1 of 3 groups are not finished, e.g. group 2: "):
+        run([shards], prefix, sp_model, merge_only=True, prefix_max_tokens=20_000)
+    run([shards], prefix, sp_model, num_groups=3, group_index=2, prefix_max_tokens=20_000)
+    run([shards], prefix, sp_model, merge_only=True, prefix_max_tokens=20_000)
+    assert joined_bytes(folder, tmp_path) == reference
 
 
 def test_single_prefix_groups_then_merge(shards, reference, sp_model, tmp_path):

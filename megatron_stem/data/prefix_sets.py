@@ -126,10 +126,13 @@ class GroupWriter:
     progress_path: str
 
     def done(self) -> Optional[dict]:
-        """The group files (key -> record), when every key has one of this identity."""
+        """The group files (key -> record), when every key has one of this identity and
+        the prefixes it lists are whole."""
         records = {k: read_json(os.path.join(f, group_file(self.group, self.num_groups)))
                    for k, f in self.folders.items()}
-        if all(r is not None and r.get("identity") == self.identity for r in records.values()):
+        if all(r is not None and r.get("identity") == self.identity
+               and all(_whole(self.folders[k], p, self.dtype) for p in r["prefixes"])
+               for k, r in records.items()):
             return records
         return None
 

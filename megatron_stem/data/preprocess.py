@@ -611,8 +611,8 @@ class _Job:
         missing = [g for g, r in enumerate(records) if r is None]
         if missing:
             path = os.path.join(cfg.output(self.keys[0]), group_file(missing[0], self.num_groups))
-            why = ("is from other inputs or settings (--merge-only takes the tasks' flags)"
-                   if os.path.exists(path) else "is missing")
+            why = ("is from other inputs or settings (--merge-only takes the tasks' flags), "
+                   "or a prefix it lists is gone" if os.path.exists(path) else "is missing")
             raise UserError(f"{len(missing)} of {self.num_groups} groups are not finished, e.g. "
                             f"group {missing[0]}: {path} {why}; run every preprocessing task "
                             "to the end before --merge-only")
