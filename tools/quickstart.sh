@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU quickstart, end to end on the shipped corpus (data_corpus/, GCIDE):
 #   1. train a 4,096-piece SentencePiece tokenizer,
-#   2. preprocess the corpus into .bin/.idx token files,
+#   2. preprocess the corpus into one .bin/.idx prefix (--single-prefix: a small corpus),
 #   3. train recipes/tiny_cpu.yaml (a tiny STEM model) on 2 ranks (data parallel) with
 #      periodic validation and checkpoints, TensorBoard logs in runs/quickstart/ckpt.
 # Extra arguments are recipe overrides, e.g.  bash tools/quickstart.sh train.steps=50
