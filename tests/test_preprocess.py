@@ -664,6 +664,30 @@ def test_requeued_task_keeps_its_finished_prefixes(shards, reference, sp_model, 
     assert not list(folder.glob(".tmp*"))
 
 
+def test_a_task_removes_each_prefix_s_parts_once_it_is_written(shards, reference, sp_model,
+                                                               tmp_path, monkeypatch):
+    """So that its parts and its prefixes never both hold its share of the corpus. Killed
+    after two prefixes, then rerun with other limits (the released parts are needed
+    again): the files whose parts are gone are tokenized again, and the bytes are right."""
+    parts = tmp_path / "out.parts"
+    merge_calls = []
+
+    def two_then_fail(part_list, out, dtype):
+        merge_calls.append(len(list(parts.glob("*/*.bin"))))  # parts left before each
+        if len(merge_calls) == 3:
+            raise OSError("killed")
+        return merge(part_list, out, dtype)
+
+    monkeypatch.setattr(prefix_sets, "merge", two_then_fail)
+    with pytest.raises(OSError, match="killed"):
+        run([shards], tmp_path / "out", sp_model, prefix_max_tokens=10_000)
+    assert merge_calls[0] > merge_calls[1] > merge_calls[2]
+    monkeypatch.undo()
+    stats = run([shards], tmp_path / "out", sp_model, prefix_max_tokens=15_000)
+    assert 0 < stats["this_run"]["chunks_processed"] < stats["chunks"]
+    assert joined_bytes(tmp_path / "out_text_document", tmp_path) == reference
+
+
 def test_prefix_limits_are_checked(tmp_path, sp_model):
     for field, value, message in (
             ("prefix_max_documents", 2 ** 31, r"--prefix-max-documents: must be a whole number "

@@ -25,7 +25,7 @@ import os
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -136,12 +136,17 @@ class GroupWriter:
             return records
         return None
 
-    def write(self, prefixes: list[list[Part]], header: dict, stats: dict) -> dict:
+    def write(self, prefixes: list[list[Part]], header: dict, stats: dict,
+              release: Optional[Callable[[list[Part]], None]] = None) -> dict:
+        """Write the prefixes not yet written, then the group files. `release(parts)` is
+        called with each prefix's parts once the prefix is durable and recorded: they are
+        not needed again (a task can remove them, so that its parts and its prefixes do not
+        both fill the disk)."""
         names = [prefix_name(self.group, i) for i in range(len(prefixes))]
         entries = {k: [_entry(n, p, k) for n, p in zip(names, prefixes)] for k in self.folders}
         for folder in self.folders.values():
             os.makedirs(folder, exist_ok=True)
-        for i in range(self._resumed(entries), len(prefixes)):
+        for i in range(self.resumed(prefixes), len(prefixes)):
             for key, folder in self.folders.items():
                 tmp = os.path.join(folder, f".tmp-{names[i]}")
                 merge([p.prefixes[key] for p in prefixes[i]], tmp, self.dtype)
@@ -149,6 +154,8 @@ class GroupWriter:
                 os.replace(idx_path(tmp), idx_path(os.path.join(folder, names[i])))
                 sync_dir(folder)
             write_json(self.progress_path, {"identity": self.identity, "prefixes": i + 1})
+            if release is not None:
+                release(prefixes[i])
         records = {}
         for key, folder in self.folders.items():
             self._remove_stale(folder, len(prefixes))
@@ -160,14 +167,15 @@ class GroupWriter:
             os.remove(self.progress_path)
         return records
 
-    def _resumed(self, entries: dict) -> int:
-        """How many prefixes an earlier run of this group left whole."""
+    def resumed(self, prefixes: list[list[Part]]) -> int:
+        """How many of these prefixes an earlier run of this group left whole."""
         progress = read_json(self.progress_path)
         if progress is None or progress["identity"] != self.identity:
             return 0
         count = 0
-        while count < progress["prefixes"] and all(
-                _whole(f, entries[k][count], self.dtype) for k, f in self.folders.items()):
+        while count < min(progress["prefixes"], len(prefixes)) and all(
+                _whole(f, _entry(prefix_name(self.group, count), prefixes[count], k), self.dtype)
+                for k, f in self.folders.items()):
             count += 1
         return count
 

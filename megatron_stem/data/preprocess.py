@@ -278,15 +278,17 @@ class _Job:
         records = writer.done()
         if records is None:
             self._process(shards)
-            dones = self._all_finished(shards)
-            parts = [Part(self._part_prefixes(self._shard_dir(s), i), c["documents"],
-                          c["tokens"])
-                     for s, d in zip(shards, dones)
-                     for i, c in enumerate(self._chunks(s, d))]
-            stats = self._totals(shards, dones, cfg.group_errors_path(group, self.num_groups))
+            prefixes, lost = self._plan_group(shards, writer)
+            if lost:  # parts released by a run of other settings: those files are redone
+                for shard in lost:
+                    shutil.rmtree(self._shard_dir(shard))
+                self._process(shards)
+                prefixes, _ = self._plan_group(shards, writer)
+            stats = self._totals(shards, self._all_finished(shards),
+                                 cfg.group_errors_path(group, self.num_groups))
             os.makedirs(cfg.parts_dir, exist_ok=True)
-            records = writer.write(plan(parts, cfg.prefix_max_tokens, cfg.prefix_max_documents),
-                                   self.header, stats)
+            records = writer.write(prefixes, self.header, stats,
+                                   release=None if cfg.keep_parts else _remove_parts)
         else:
             self.run_stats["groups_resumed"] += 1
             first_errors = records[self.keys[0]]["stats"]["first_errors"]
@@ -296,6 +298,19 @@ class _Job:
             for shard in shards:
                 shutil.rmtree(self._shard_dir(shard), ignore_errors=True)
         return records
+
+    def _plan_group(self, shards: list, writer: GroupWriter) -> tuple[list, list]:
+        """The group's prefixes (as runs of parts), and the shards with a part that a
+        prefix still to be written needs but that is gone."""
+        parts = [Part(self._part_prefixes(self._shard_dir(shard), i), chunk["documents"],
+                      chunk["tokens"])
+                 for shard, done in zip(shards, self._all_finished(shards))
+                 for i, chunk in enumerate(self._chunks(shard, done))]
+        prefixes = plan(parts, self.cfg.prefix_max_tokens, self.cfg.prefix_max_documents)
+        gone = {os.path.dirname(path) for prefix in prefixes[writer.resumed(prefixes):]
+                for part in prefix for path in part.prefixes.values()
+                if not os.path.exists(bin_path(path))}
+        return prefixes, [s for s in shards if self._shard_dir(s) in gone]
 
     # -- paths and manifests
 
@@ -664,6 +679,15 @@ class _Job:
                 errors += chunk["errors"]
             for error in sorted(errors, key=lambda e: e[0]):
                 yield Skip(*error).describe(shard.path)
+
+
+def _remove_parts(parts: list) -> None:
+    """Token files of parts merged into a finished prefix (their chunks' records stay)."""
+    for part in parts:
+        for prefix in part.prefixes.values():
+            for path in (bin_path(prefix), idx_path(prefix)):
+                if os.path.exists(path):
+                    os.remove(path)
 
 
 def _write_lines(path: str, lines) -> list:
