@@ -138,7 +138,7 @@ def timed(argv: list, env: dict) -> tuple[float, float, float]:
 def commands(kind: str, model: str, corpus: Path, out: Path, workers: int) -> dict:
     tool = [str(ROOT / "tools" / "preprocess_data.py"), "--input", str(corpus),
             "--tokenizer-type", kind, "--tokenizer-model", model, "--append-eod",
-            "--workers", str(workers), "--log-interval", "1000"]
+            "--workers", str(workers), "--log-interval", "1000", "--single-prefix"]
     return {
         "ours": tool + ["--output-prefix", str(out / "ours")],
         "fast path": [__file__, "fast-path", str(corpus), str(out / "fast_text_document"),

@@ -114,7 +114,8 @@ def prepare_data(folder: Path, nproc: int) -> tuple[str, str]:
         subprocess.run([python, str(ROOT / "tools" / "preprocess_data.py"), "--input", corpus,
                         "--json-keys", "text", "--output-prefix", str(prefix),
                         "--tokenizer-type", "sentencepiece", "--tokenizer-model",
-                        str(tokenizer), "--append-eod", "--workers", str(nproc)], check=True)
+                        str(tokenizer), "--append-eod", "--workers", str(nproc),
+                        "--single-prefix"], check=True)
     return str(tokenizer), documents
 
 

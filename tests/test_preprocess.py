@@ -13,13 +13,16 @@ import sys
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import ROOT, subprocess_env
+from megatron_stem.data import indexed, prefix_sets
 from megatron_stem.data.indexed import PartWriter, merge, token_dtype
+from megatron_stem.data.prefix_sets import contiguous_groups
 from megatron_stem.data.preprocess import PreprocessConfig, preprocess
 from megatron_stem.data.worker import BadRecord
 from megatron_stem.errors import UserError
@@ -91,7 +94,8 @@ def test_round_trip_through_megatron_gpt_dataset(tmp_path, sp_model, tok, corpus
 
     texts = corpus_texts[:400] + corpus_texts[-4:]
     write(tmp_path / "in.jsonl", jsonl_bytes({"text": t} for t in texts))
-    stats = run([tmp_path / "in.jsonl"], tmp_path / "out", sp_model, workers=2)
+    stats = run([tmp_path / "in.jsonl"], tmp_path / "out", sp_model, workers=2,
+                single_prefix=True)
     prefix = stats["outputs"]["text"]
     docs = expected_ids(tok, texts)
     assert read_documents(prefix) == docs
@@ -164,7 +168,7 @@ def test_same_bytes_as_megatron_builder(tmp_path, sp_model, tok, corpus_texts):
     for i, part in enumerate((texts[:100], [], texts[100:])):  # an empty part too
         write(tmp_path / f"in{i}.jsonl", jsonl_bytes({"text": t} for t in part))
     stats = run(sorted(tmp_path.glob("in*.jsonl")), tmp_path / "ours", sp_model,
-                chunk_bytes=4096)
+                chunk_bytes=4096, single_prefix=True)
     docs = expected_ids(tok, texts)
 
     dtype = DType.optimal_dtype(tok.vocab_size)
@@ -206,7 +210,8 @@ def test_every_input_format(tmp_path, sp_model, tok, corpus_texts, name):
         write(tmp_path / name, "".join(t + "\n" for t in texts).encode())
     else:
         write(tmp_path / name, jsonl_bytes({"id": i, "text": t} for i, t in enumerate(texts)))
-    stats = run([tmp_path / name], tmp_path / "out", sp_model, chunk_bytes=2000)
+    stats = run([tmp_path / name], tmp_path / "out", sp_model, chunk_bytes=2000,
+                single_prefix=True)
     assert read_documents(stats["outputs"]["text"]) == expected_ids(tok, texts)
     assert stats["skipped"] == {} and stats["chunks"] > 1
 
@@ -216,7 +221,7 @@ def test_several_keys_make_aligned_outputs(tmp_path, sp_model, tok):
     records[4] = {"text": "no title here"}  # dropped from both outputs
     write(tmp_path / "in.jsonl", jsonl_bytes(records))
     stats = run([tmp_path / "in.jsonl"], tmp_path / "out", sp_model, json_keys=["title", "text"],
-                append_eod=False)
+                append_eod=False, single_prefix=True)
     kept = records[:4] + records[5:]
     assert stats["outputs"] == {"title": f"{tmp_path}/out_title_document",
                                 "text": f"{tmp_path}/out_text_document"}
@@ -225,6 +230,19 @@ def test_several_keys_make_aligned_outputs(tmp_path, sp_model, tok):
             expected_ids(tok, [r[key] for r in kept], eod=False)
     assert stats["skipped"] == {"missing_key": 1}
     assert stats["first_errors"] == [f"{tmp_path}/in.jsonl:5: missing_key: no key 'title'"]
+    # As prefix sets: the keys' prefixes hold the same documents, cut where either key's
+    # next part would pass the limit.
+    sets = run([tmp_path / "in.jsonl"], tmp_path / "set", sp_model, json_keys=["title", "text"],
+               append_eod=False, chunk_bytes=300, prefix_max_tokens=140)
+    manifests = {k: manifest_of(sets["outputs"][k]) for k in ("title", "text")}
+    cuts = {k: [(p["name"], p["documents"]) for p in m["prefixes"]] for k, m in manifests.items()}
+    assert cuts["title"] == cuts["text"]
+    assert all(p["tokens"] <= 140 for m in manifests.values() for p in m["prefixes"])
+    # The texts (about twice the titles' tokens) decide: the titles alone would make fewer.
+    assert len(cuts["text"]) > manifests["title"]["tokens"] // 140 + 1
+    for key in ("title", "text"):
+        docs = [d for p in sets["prefixes"][key] for d in read_documents(p["prefix"])]
+        assert docs == expected_ids(tok, [r[key] for r in kept], eod=False)
 
 
 def test_token_dtype_follows_vocab_size(tmp_path):
@@ -244,7 +262,8 @@ def test_token_dtype_follows_vocab_size(tmp_path):
     write(tmp_path / "in.jsonl", jsonl_bytes({"text": t} for t in texts))
     stats = preprocess(PreprocessConfig(
         inputs=[str(tmp_path / "in.jsonl")], output_prefix=str(tmp_path / "out"),
-        tokenizer_type="huggingface", tokenizer_model=str(tmp_path), append_eod=True), log=None)
+        tokenizer_type="huggingface", tokenizer_model=str(tmp_path), append_eod=True,
+        single_prefix=True), log=None)
     assert stats["dtype"] == "int32"
     ids = read_documents(stats["outputs"]["text"])
     assert ids[-1] == [69999, 65535, 65500, 70001]
@@ -280,7 +299,7 @@ def test_bad_records_are_counted_located_and_skipped(tmp_path, sp_model, tok):
     trunc = tmp_path / "in" / "cut.jsonl.gz"
     trunc.write_bytes(full[: len(full) // 2])
 
-    stats = run([tmp_path / "in"], tmp_path / "out", sp_model)
+    stats = run([tmp_path / "in"], tmp_path / "out", sp_model, single_prefix=True)
     assert stats["skipped"] == {"bad_json": 2, "missing_key": 1, "not_text": 1, "bad_utf8": 2,
                                 "empty": 1, "read_error": 1}
     log = Path(stats["errors_log"]).read_text().splitlines()
@@ -328,6 +347,11 @@ def test_cli_errors_are_one_line(tmp_path, sp_model):
          "error: /nope.model: SentencePiece model not found"),
         (["--input", tmp_path / "bad.jsonl", "--json-keys", "a/b", *common],
          "error: --json-keys: 'a/b': use letters, digits, '_', '.', '-'"),
+        (["--input", tmp_path / "bad.jsonl", "--prefix-max-tokens", "1.5e9.", *common],
+         "error: --prefix-max-tokens: expected a whole number such as 20e9, got '1.5e9.'"),
+        (["--input", tmp_path / "bad.jsonl", "--prefix-max-documents", "2**31", *common],
+         "error: --prefix-max-documents: must be a whole number in 1..2147483647 "
+         "(megatron-core holds document ids as int32), got 2147483648"),
     ]
     for args, message in cases:
         proc = cli(*args)
@@ -344,7 +368,7 @@ def test_parquet_without_the_column_or_unreadable(tmp_path, sp_model, tok):
     (tmp_path / "z.parquet").write_bytes(b"PAR1 this is not parquet")
     write(tmp_path / "y.jsonl", jsonl_bytes([{"text": "fine"}]))
     stats = run([tmp_path / "x.parquet", tmp_path / "y.jsonl", tmp_path / "z.parquet"],
-                tmp_path / "out", sp_model)
+                tmp_path / "out", sp_model, single_prefix=True)
     assert stats["skipped"] == {"missing_key": 3, "read_error": 1}
     assert stats["first_errors"][0] == \
         f"{tmp_path}/x.parquet: missing_key: no column 'text' (columns: content)"
@@ -365,7 +389,7 @@ def test_multi_member_gzip_multi_frame_zstd_and_truncated_zstd(tmp_path, sp_mode
     cut = zst.compress(first + second)
     (tmp_path / "c.jsonl.zst").write_bytes(cut[: len(cut) * 2 // 3])
     stats = run([tmp_path / "a.jsonl.gz", tmp_path / "b.jsonl.zst", tmp_path / "c.jsonl.zst"],
-                tmp_path / "out", sp_model)
+                tmp_path / "out", sp_model, single_prefix=True)
     (error,) = stats["first_errors"]
     assert error.startswith(f"{tmp_path}/c.jsonl.zst:")
     assert "read_error: file ends early or is corrupt (zstd stream ended" in error
@@ -398,7 +422,7 @@ def shards(tmp_path_factory, corpus_texts):
 def reference(shards, sp_model, tmp_path_factory):
     """The uninterrupted run's output, one worker, the reference library (sentencepiece)."""
     stats = run([shards], tmp_path_factory.mktemp("ref") / "out", sp_model, workers=1,
-                tokenizer_backend="reference")
+                tokenizer_backend="reference", single_prefix=True)
     return output_bytes(stats["outputs"]["text"])
 
 
@@ -407,7 +431,8 @@ def test_same_bytes_whatever_workers_chunking_and_backend(shards, reference, sp_
     for workers, chunk, backend in ((2, None, "gigatoken"), (3, 3000, "gigatoken"),
                                     (1, 1 << 30, "gigatoken"), (2, 3000, "reference")):
         stats = run([shards], tmp_path / f"w{workers}_{chunk}_{backend}" / "out", sp_model,
-                    workers=workers, chunk_bytes=chunk, tokenizer_backend=backend)
+                    workers=workers, chunk_bytes=chunk, tokenizer_backend=backend,
+                    single_prefix=True)
         assert output_bytes(stats["outputs"]["text"]) == reference, (workers, chunk, backend)
         assert stats["this_run"]["tokenizer_backend"] == backend
     assert stats["shards"] == 8
@@ -419,7 +444,7 @@ def test_killed_run_resumes_to_the_same_bytes(shards, reference, sp_model, tmp_p
     prefix = tmp_path / "out"
     args = ["--input", shards, "--output-prefix", prefix, "--tokenizer-type", "sentencepiece",
             "--tokenizer-model", sp_model, "--append-eod", "--workers", "1",
-            "--chunk-size-mb", "0.002"]
+            "--chunk-size-mb", "0.002", "--single-prefix"]
     proc = subprocess.Popen([sys.executable, "tools/preprocess_data.py", *map(str, args)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -455,9 +480,11 @@ def test_fix_a_bad_shard_and_resume(shards, reference, sp_model, tmp_path):
     good = (inputs / "03.jsonl").read_bytes()
     (inputs / "03.jsonl").write_bytes(good + b"{oops\n")
     with pytest.raises(BadRecord, match=r"03.jsonl:201: bad_json"):
-        run([inputs], tmp_path / "out", sp_model, on_error="fail", chunk_bytes=10_000)
+        run([inputs], tmp_path / "out", sp_model, on_error="fail", chunk_bytes=10_000,
+            single_prefix=True)
     (inputs / "03.jsonl").write_bytes(good)
-    stats = run([inputs], tmp_path / "out", sp_model, on_error="fail", chunk_bytes=10_000)
+    stats = run([inputs], tmp_path / "out", sp_model, on_error="fail", chunk_bytes=10_000,
+                single_prefix=True)
     assert stats["this_run"]["shards_resumed"] >= 3
     assert output_bytes(stats["outputs"]["text"]) == reference
 
@@ -506,42 +533,287 @@ def test_a_gigatoken_run_starts_lean(tmp_path, sp_model):
     assert proc.stdout.split() == ["0", "False"]  # child processes, Arrow compute imported
 
 
+def manifest_of(folder) -> dict:
+    return json.loads((Path(folder) / "manifest.json").read_text())
+
+
+def joined_bytes(folder, tmp_path, record=None) -> tuple:
+    """The bytes of a prefix set's (or group file's) prefixes concatenated in its order:
+    what the one-file layout holds for the same documents."""
+    names = [p["name"] for p in (record or manifest_of(folder))["prefixes"]]
+    joined = tmp_path / f"joined{len(list(tmp_path.glob('joined*')))}"
+    merge([str(Path(folder) / n) for n in names], str(joined), np.uint16)
+    return output_bytes(joined)
+
+
+def test_contiguous_groups_balance_bytes():
+    groups = contiguous_groups([30, 10, 10, 10, 29, 1], 3)
+    assert groups == [range(0, 1), range(1, 4), range(4, 6)]  # 31 / 33 / 32 bytes (+1 each)
+    assert contiguous_groups([5], 3) == [range(0, 0), range(0, 1), range(1, 1)]
+    assert contiguous_groups([0, 0, 0, 0], 2) == [range(0, 2), range(2, 4)]
+    sizes = list(np.random.default_rng(0).integers(0, 1000, 200))
+    groups = contiguous_groups(sizes, 7)
+    assert [i for g in groups for i in g] == list(range(200))
+    assert max(sum(sizes[i] + 1 for i in g) for g in groups) < sum(sizes) / 7 + 1000
+
+
+def test_prefix_set_is_the_single_prefix_cut_at_the_limits(shards, reference, sp_model,
+                                                           tmp_path):
+    """Prefixes closed before a part would take them past a limit, whole parts only, and
+    their documents in manifest order are the one-file output byte for byte."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for limits in ({"prefix_max_tokens": 9000}, {"prefix_max_documents": 150},
+                   {"prefix_max_tokens": 1}):
+        out = tmp_path / "_".join(f"{k}{v}" for k, v in limits.items())
+        stats = run([shards], out / "out", sp_model, chunk_bytes=3000, keep_parts=True,
+                    **limits)
+        folder = Path(stats["outputs"]["text"])
+        manifest = manifest_of(folder)
+        assert manifest.keys() == {"format", "dtype", "tokenizer", "append_eod", "documents",
+                                   "tokens", "prefixes"}
+        assert (manifest["format"], manifest["dtype"], manifest["append_eod"]) == \
+            (1, "uint16", True)
+        assert manifest["tokenizer"] == {k: stats["tokenizer"][k]
+                                         for k in ("class", "sha256", "vocab_size")}
+        assert (manifest["documents"], manifest["tokens"]) == (1504, stats["tokens"])
+        assert joined_bytes(folder, tmp_path) == reference
+        names = [p["name"] for p in manifest["prefixes"]]
+        assert names == [f"00000-{i:05d}" for i in range(len(names))]
+        assert sorted(os.listdir(folder)) == sorted(
+            ["manifest.json", "group-00000-of-00001.json"]
+            + [f"{n}.{e}" for n in names for e in ("bin", "idx")])
+        assert stats["prefixes"]["text"] == [
+            {"prefix": str(folder / p["name"]), "documents": p["documents"],
+             "tokens": p["tokens"]} for p in manifest["prefixes"]]
+        # Each prefix is whole parts: the parts' sizes, in order, cut where the next
+        # part would pass a limit.
+        parts = [json.loads(m.read_text()) for d in sorted(Path(f"{out}/out.parts").iterdir())
+                 if d.is_dir() for m in sorted(d.glob("0*.json"))]
+        parts = [(c["documents"], c["tokens"]["text"]) for c in parts if c["documents"]]
+        max_docs = limits.get("prefix_max_documents", 2 ** 30)
+        max_tokens = limits.get("prefix_max_tokens", 20e9)
+        for prefix in manifest["prefixes"]:
+            ds = IndexedDataset(str(folder / prefix["name"]))
+            assert len(ds) == prefix["documents"]
+            assert int(ds.sequence_lengths.sum()) == prefix["tokens"]
+            docs = tokens = n = 0
+            while (docs, tokens) != (prefix["documents"], prefix["tokens"]):
+                docs, tokens, n = docs + parts[n][0], tokens + parts[n][1], n + 1
+            assert n == 1 or (docs <= max_docs and tokens <= max_tokens), prefix
+            if n < len(parts):
+                assert docs + parts[n][0] > max_docs or tokens + parts[n][1] > max_tokens
+            parts = parts[n:]
+        assert parts == []
+    assert len(manifest["prefixes"]) > 20  # one per part at prefix_max_tokens 1
+
+
 def test_array_groups_then_merge(shards, reference, sp_model, tmp_path):
+    """Each task writes its own contiguous run of the files as prefixes, usable once it
+    ends; --merge-only then lists them in manifest.json, copying nothing."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
     prefix = tmp_path / "out"
-    run([shards], prefix, sp_model, num_groups=3, group_index=0)
-    with pytest.raises(UserError, match=r"5 of 8 input files are not processed yet"):
-        run([shards], prefix, sp_model, merge_only=True)
+    folder = tmp_path / "out_text_document"
+    first = run([shards], prefix, sp_model, num_groups=3, group_index=0,
+                prefix_max_tokens=20_000)
+    group = json.loads((folder / "group-00000-of-00003.json").read_text())
+    assert first["prefixes"]["text"][0]["prefix"] == str(folder / "00000-00000")
+    assert sum(len(IndexedDataset(p["prefix"])) for p in first["prefixes"]["text"]) == \
+        group["documents"] > 0
+    assert not list(Path(f"{prefix}.parts").glob("*/done.json"))  # its parts are gone
+    with pytest.raises(UserError, match=r"^2 of 3 groups are not finished, e.g. group 1: "
+                       r".*/group-00001-of-00003.json is missing; run every"):
+        run([shards], prefix, sp_model, merge_only=True, prefix_max_tokens=20_000)
     for g in (1, 2):
-        group = run([shards], prefix, sp_model, num_groups=3, group_index=g)
-        assert group["group"] == [g, 3] and group["this_run"]["documents"] > 0
-    stats = run([shards], prefix, sp_model, merge_only=True)
+        stats = run([shards], prefix, sp_model, num_groups=3, group_index=g,
+                    prefix_max_tokens=20_000)
+        assert stats["group"] == [g, 3] and stats["this_run"]["documents"] > 0
+    with pytest.raises(UserError, match=r"^3 of 3 .* group 0: .* is from other inputs or "
+                       r"settings \(--merge-only takes the tasks' flags\), or a prefix"):
+        run([shards], prefix, sp_model, merge_only=True)  # other limits
+    copies = []
+    with mock.patch.object(indexed, "_copy", lambda *a: copies.append(a)):
+        stats = run([shards], prefix, sp_model, merge_only=True, prefix_max_tokens=20_000)
+    assert copies == [] and stats["this_run"]["documents"] == 0
+    assert stats["documents"] == 1504
+    assert joined_bytes(folder, tmp_path) == reference
+    groups = [json.loads((folder / f"group-0000{g}-of-00003.json").read_text())
+              for g in range(3)]
+    assert manifest_of(folder)["prefixes"] == [p for g in groups for p in g["prefixes"]]
+    assert not Path(f"{prefix}.parts").exists()
+    # A requeued task with nothing left, and the merge once done, do nothing; a prefix
+    # lost meanwhile is missed by the merge, and a rerun of its task makes it again.
+    again = run([shards], prefix, sp_model, num_groups=3, group_index=1, prefix_max_tokens=20_000)
+    assert again["this_run"]["groups_resumed"] == 1 and again["this_run"]["chunks_processed"] == 0
+    assert run([shards], prefix, sp_model, merge_only=True,
+               prefix_max_tokens=20_000).get("up_to_date")
+    lost = folder / f"{manifest_of(folder)['prefixes'][-1]['name']}.idx"
+    lost.unlink()
+    with pytest.raises(UserError, match=r"^1 of 3 groups are not finished, e.g. group 2: "):
+        run([shards], prefix, sp_model, merge_only=True, prefix_max_tokens=20_000)
+    run([shards], prefix, sp_model, num_groups=3, group_index=2, prefix_max_tokens=20_000)
+    run([shards], prefix, sp_model, merge_only=True, prefix_max_tokens=20_000)
+    assert joined_bytes(folder, tmp_path) == reference
+
+
+def test_single_prefix_groups_then_merge(shards, reference, sp_model, tmp_path):
+    prefix = tmp_path / "out"
+    for g in range(3):
+        run([shards], prefix, sp_model, num_groups=3, group_index=g, single_prefix=True)
+    stats = run([shards], prefix, sp_model, merge_only=True, single_prefix=True)
     assert output_bytes(stats["outputs"]["text"]) == reference
-    assert stats["this_run"]["documents"] == 0 and stats["documents"] == 1504
+    assert stats["prefixes"] == {"text": [{"prefix": f"{prefix}_text_document",
+                                           "documents": 1504, "tokens": stats["tokens"]}]}
+
+
+def test_requeued_task_keeps_its_finished_prefixes(shards, reference, sp_model, tmp_path,
+                                                   monkeypatch):
+    """A task killed while writing its prefixes (here: an error after two) writes only the
+    others when rerun; a prefix left half-written is redone, stale files are removed."""
+    merged = []
+
+    def two_then_fail(parts, out, dtype):
+        if len(merged) == 2:
+            Path(f"{out}.bin").write_bytes(b"half a prefix")
+            raise OSError("killed")
+        merged.append(Path(out).name)
+        return merge(parts, out, dtype)
+
+    monkeypatch.setattr(prefix_sets, "merge", two_then_fail)
+    with pytest.raises(OSError, match="killed"):
+        run([shards], tmp_path / "out", sp_model, prefix_max_tokens=10_000)
+    folder = tmp_path / "out_text_document"
+    assert sorted(os.listdir(folder)) == [".tmp-00000-00002.bin", "00000-00000.bin",
+                                          "00000-00000.idx", "00000-00001.bin",
+                                          "00000-00001.idx"]
+    (folder / "00000-00099.bin").write_bytes(b"stale")  # from an earlier run
+    merged.clear()
+    monkeypatch.setattr(prefix_sets, "merge", lambda *a: merged.append(Path(a[1]).name)
+                        or merge(*a))
+    stats = run([shards], tmp_path / "out", sp_model, prefix_max_tokens=10_000)
+    names = [p["name"] for p in manifest_of(folder)["prefixes"]]
+    assert merged == [f".tmp-{n}" for n in names[2:]] and len(names) > 3
+    assert stats["this_run"]["chunks_processed"] == 0
+    assert joined_bytes(folder, tmp_path) == reference
+    assert not (folder / "00000-00099.bin").exists()
+    assert not list(folder.glob(".tmp*"))
+
+
+def test_a_task_removes_each_prefix_s_parts_once_it_is_written(shards, reference, sp_model,
+                                                               tmp_path, monkeypatch):
+    """So that its parts and its prefixes never both hold its share of the corpus. Killed
+    after two prefixes, then rerun with other limits (the released parts are needed
+    again): the files whose parts are gone are tokenized again, and the bytes are right."""
+    parts = tmp_path / "out.parts"
+    merge_calls = []
+
+    def two_then_fail(part_list, out, dtype):
+        merge_calls.append(len(list(parts.glob("*/*.bin"))))  # parts left before each
+        if len(merge_calls) == 3:
+            raise OSError("killed")
+        return merge(part_list, out, dtype)
+
+    monkeypatch.setattr(prefix_sets, "merge", two_then_fail)
+    with pytest.raises(OSError, match="killed"):
+        run([shards], tmp_path / "out", sp_model, prefix_max_tokens=10_000)
+    assert merge_calls[0] > merge_calls[1] > merge_calls[2]
+    monkeypatch.undo()
+    stats = run([shards], tmp_path / "out", sp_model, prefix_max_tokens=15_000)
+    assert 0 < stats["this_run"]["chunks_processed"] < stats["chunks"]
+    assert joined_bytes(tmp_path / "out_text_document", tmp_path) == reference
+
+
+def test_prefix_limits_are_checked(tmp_path, sp_model):
+    for field, value, message in (
+            ("prefix_max_documents", 2 ** 31, r"--prefix-max-documents: must be a whole number "
+             r"in 1..2147483647 \(megatron-core holds document ids as int32\), got 2147483648"),
+            ("prefix_max_tokens", 0, r"--prefix-max-tokens: must be a whole number >= 1, got 0"),
+            ("prefix_max_tokens", 1.5, r"--prefix-max-tokens: .* got 1.5")):
+        with pytest.raises(UserError, match=f"^{message}$"):
+            run([tmp_path], tmp_path / "out", sp_model, **{field: value})
+
+
+def test_resumable_merge_continues_where_it_was_killed(tmp_path, monkeypatch):
+    """--single-prefix's merge journals its progress: killed after k parts (with half of
+    the next part copied), a rerun copies only the rest and writes the same bytes."""
+    rng = np.random.default_rng(0)
+    parts = []
+    for i in range(7):
+        w = PartWriter(str(tmp_path / f"p{i}"), np.uint16)
+        lengths = rng.integers(1, 50, size=i % 3 * 5)  # some parts are empty
+        w.add(rng.integers(0, 60000, size=lengths.sum()), lengths)
+        w.close()
+        parts.append(str(tmp_path / f"p{i}"))
+    merge(parts, str(tmp_path / "whole"), np.uint16)
+    monkeypatch.setattr(indexed, "_JOURNAL_BYTES", 0)  # a record after every part
+    append, appended = indexed._append, []
+
+    def killed_after_four(prefix, out):
+        if len(appended) == 4:
+            out.write(b"\x01" * 11)  # part of the next part, not recorded
+            raise KeyboardInterrupt
+        appended.append(prefix)
+        return append(prefix, out)
+
+    monkeypatch.setattr(indexed, "_append", killed_after_four)
+    with pytest.raises(KeyboardInterrupt):
+        indexed.merge_resumable(parts, str(tmp_path / "out"), np.uint16)
+    assert not (tmp_path / "out.bin").exists()
+    assert json.loads((tmp_path / "out.merge.json").read_text())["parts"] == 4
+    appended.clear()
+    monkeypatch.setattr(indexed, "_append", lambda p, out: appended.append(p) or append(p, out))
+    indexed.merge_resumable(parts, str(tmp_path / "out"), np.uint16)
+    assert appended == parts[4:]
+    assert output_bytes(tmp_path / "out") == output_bytes(tmp_path / "whole")
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [f"p{i}.{e}" for i in range(7) for e in ("bin", "idx")]
+        + [f"{n}.{e}" for n in ("whole", "out") for e in ("bin", "idx")])
+    # Other parts (or sizes) make the journal stale: a fresh merge, not a resumed one.
+    appended.clear()
+    (tmp_path / "out.merge.json").write_text(json.dumps({"source": "other", "parts": 5,
+                                                         "bytes": 99}))
+    indexed.merge_resumable(parts[:3], str(tmp_path / "out"), np.uint16)
+    assert appended == parts[:3]
 
 
 @pytest.mark.integration
-def test_slurm_scripts_run_without_slurm(shards, reference, sp_model, tmp_path):
+@pytest.mark.parametrize("layout", ["prefix set", "single prefix"])
+def test_slurm_scripts_run_without_slurm(shards, reference, sp_model, tmp_path, layout):
     """slurm/preprocess.sbatch as SLURM would run it (array tasks, then the merge task)."""
+    extra = "--append-eod" + (" --single-prefix" if layout == "single prefix" else "")
     env = subprocess_env(INPUT=str(shards), OUTPUT_PREFIX=str(tmp_path / "out"),
                          TOKENIZER_TYPE="sentencepiece", TOKENIZER_MODEL=str(sp_model),
-                         EXTRA_ARGS="--append-eod", SLURM_CPUS_PER_TASK="1",
-                         PYTHON=sys.executable)
+                         EXTRA_ARGS=extra, SLURM_CPUS_PER_TASK="1", PYTHON=sys.executable)
     for task in ("0", "1"):
         subprocess.run(["bash", "slurm/preprocess.sbatch"], cwd=ROOT, check=True, env={
             **env, "SLURM_ARRAY_TASK_ID": task, "SLURM_ARRAY_TASK_COUNT": "2"},
             capture_output=True, timeout=120)
+    folder = tmp_path / "out_text_document"
+    if layout == "prefix set":  # each task's prefixes are there before the merge
+        assert sorted(p.name for p in folder.glob("*.json")) == \
+            ["group-00000-of-00002.json", "group-00001-of-00002.json"]
     subprocess.run(["bash", "slurm/preprocess_merge.sbatch"], cwd=ROOT, check=True, env=env,
                    capture_output=True, timeout=120)
-    assert output_bytes(tmp_path / "out_text_document") == reference
+    if layout == "prefix set":
+        assert [p["name"] for p in manifest_of(folder)["prefixes"]] == \
+            ["00000-00000", "00001-00000"]
+        assert joined_bytes(folder, tmp_path) == reference
+    else:
+        assert output_bytes(folder) == reference
 
 
-def test_outputs_among_the_inputs_are_not_read_back(tmp_path, sp_model, tok):
-    # The input shares the output's name: it is read; our outputs beside it are not.
+@pytest.mark.parametrize("single_prefix", [True, False])
+def test_outputs_among_the_inputs_are_not_read_back(tmp_path, sp_model, tok, single_prefix):
+    # The input shares the output's name: it is read; our outputs beside it are not (the
+    # prefix set's folder holds JSON files).
     write(tmp_path / "out.jsonl", jsonl_bytes([{"text": "only document"}]))
     for _ in range(2):  # the second run sees out.stats.json (a .json) in the input folder
-        stats = run([tmp_path], tmp_path / "out", sp_model, keep_parts=True)
+        stats = run([tmp_path], tmp_path / "out", sp_model, keep_parts=True,
+                    single_prefix=single_prefix)
     assert stats["shards"] == 1
-    assert read_documents(stats["outputs"]["text"]) == expected_ids(tok, ["only document"])
+    (prefix,) = stats["prefixes"]["text"]
+    assert read_documents(prefix["prefix"]) == expected_ids(tok, ["only document"])
 
 
 def test_a_failed_chunk_leaves_its_file_unfinished(tmp_path, sp_model, monkeypatch):

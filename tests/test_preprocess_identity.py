@@ -112,7 +112,7 @@ def _run(tmp_path, inputs, kind, model, backend, **kw):
     return preprocess(PreprocessConfig(
         inputs=[str(i) for i in inputs], output_prefix=str(tmp_path / backend / "out"),
         tokenizer_type=kind, tokenizer_model=model, append_eod=True,
-        tokenizer_backend=backend, **kw), log=None)
+        tokenizer_backend=backend, single_prefix=True, **kw), log=None)
 
 
 def _outputs(stats) -> tuple:

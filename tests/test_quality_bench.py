@@ -26,7 +26,7 @@ def data_dir(tmp_path, sp_model, corpus_texts):
     preprocess(PreprocessConfig(inputs=[str(docs)], output_prefix=str(folder / "data" / "gcide"),
                                 tokenizer_type="sentencepiece",
                                 tokenizer_model=str(folder / "tokenizer" / "gcide.model"),
-                                append_eod=True), log=None)
+                                append_eod=True, single_prefix=True), log=None)
     return folder
 
 

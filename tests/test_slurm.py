@@ -58,7 +58,7 @@ def corpus_data(tmp_path_factory, corpus_texts, sp_model):
                     "--input", str(folder / "docs.jsonl"),
                     "--output-prefix", str(folder / "gcide"), "--tokenizer-type",
                     "sentencepiece", "--tokenizer-model", sp_model, "--append-eod",
-                    "--workers", "1"], check=True, capture_output=True, env=subprocess_env())
+                    "--workers", "1", "--single-prefix"], check=True, capture_output=True, env=subprocess_env())
     return str(folder / "gcide_text_document"), sp_model
 
 

@@ -4,9 +4,11 @@
         --output-prefix data/corpus --tokenizer-type sentencepiece \\
         --tokenizer-model tokenizer/stem.model --append-eod --workers 16
 
-writes data/corpus_text_document.{bin,idx} (Megatron-LM's naming), data/corpus.stats.json
-and, when records were skipped, data/corpus.errors.log. Rerunning an interrupted command
-resumes it. See docs/data.md.
+writes the prefix set data/corpus_text_document/ (prefixes 00000-00000.bin/.idx, ... of at
+most --prefix-max-tokens tokens, and manifest.json; --single-prefix: one
+data/corpus_text_document.{bin,idx}, Megatron-LM's naming), data/corpus.stats.json and, when
+records were skipped, data/corpus.errors.log. Rerunning an interrupted command resumes it.
+See docs/data.md.
 """
 
 import argparse
@@ -14,8 +16,9 @@ import os
 import signal
 import sys
 
+from megatron_stem.data.prefix_sets import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_TOKENS
 from megatron_stem.data.preprocess import PreprocessConfig, format_summary, preprocess
-from megatron_stem.errors import cli
+from megatron_stem.errors import UserError, cli
 
 
 def parse_args(argv=None) -> PreprocessConfig:
@@ -26,7 +29,17 @@ def parse_args(argv=None) -> PreprocessConfig:
     io.add_argument("--json-keys", nargs="+", default=["text"],
                     help="text field(s) (Parquet: columns); one output per key")
     io.add_argument("--output-prefix", required=True,
-                    help="writes <prefix>_<key>_document.bin/.idx and <prefix>.stats.json")
+                    help="writes the folder <prefix>_<key>_document/ (a prefix set: "
+                         "prefixes and manifest.json) and <prefix>.stats.json")
+    io.add_argument("--single-prefix", action="store_true",
+                    help="write one <prefix>_<key>_document.bin/.idx instead of a prefix set "
+                         "(small corpora)")
+    io.add_argument("--prefix-max-tokens", default=DEFAULT_MAX_TOKENS,
+                    metavar="N", help="close a prefix before the next part (a chunk's "
+                                      "tokens) takes it past N tokens (default 20e9)")
+    io.add_argument("--prefix-max-documents", default=DEFAULT_MAX_DOCUMENTS,
+                    metavar="N", help="... or past N documents (default 2**30; at most "
+                                      "2**31-1: megatron-core holds document ids as int32)")
     tok = ap.add_argument_group("tokenizer (local files only)")
     tok.add_argument("--tokenizer-type", required=True,
                      help="sentencepiece or huggingface (Megatron-LM's names also work)")
@@ -61,11 +74,15 @@ def parse_args(argv=None) -> PreprocessConfig:
                      help="keep <prefix>.parts/ (the per-chunk token files) after merging")
     array = ap.add_argument_group("SLURM arrays (see slurm/preprocess.sh)")
     array.add_argument("--num-groups", type=int, default=1,
-                       help="split the input files into this many groups ...")
+                       help="split the input files into this many contiguous runs of about "
+                            "equal bytes ...")
     array.add_argument("--group-index", type=int, default=0,
-                       help="... and process only this one (then run --merge-only)")
+                       help="... and process only this one, writing its own prefixes "
+                            "(then run --merge-only)")
     array.add_argument("--merge-only", action="store_true",
-                       help="merge the groups' finished parts into the outputs")
+                       help="once every group is done: check their group files and write "
+                            "manifest.json and the stats, copying nothing (--single-prefix: "
+                            "merge every group's parts into the one prefix, resumably)")
     a = ap.parse_args(argv)
     return PreprocessConfig(
         inputs=a.input, output_prefix=a.output_prefix, tokenizer_type=a.tokenizer_type,
@@ -75,7 +92,25 @@ def parse_args(argv=None) -> PreprocessConfig:
         verify_docs=a.verify_tokenizer, on_error=a.on_error,
         chunk_bytes=None if a.chunk_size_mb is None else int(a.chunk_size_mb * (1 << 20)),
         log_interval=a.log_interval, group_index=a.group_index, num_groups=a.num_groups,
-        merge_only=a.merge_only, keep_parts=a.keep_parts)
+        merge_only=a.merge_only, keep_parts=a.keep_parts, single_prefix=a.single_prefix,
+        prefix_max_tokens=count("--prefix-max-tokens", a.prefix_max_tokens),
+        prefix_max_documents=count("--prefix-max-documents", a.prefix_max_documents))
+
+
+def count(flag: str, text) -> int:
+    """A whole number, written plainly or as 20e9 or 2**30."""
+    if isinstance(text, int):  # the default
+        return text
+    try:
+        if "**" in text:
+            base, power = text.split("**")
+            return int(base) ** int(power)
+        value = float(text)
+        if value == int(value):
+            return int(text) if text.strip().lstrip("+-").isdigit() else int(value)
+    except (ValueError, OverflowError):
+        pass
+    raise UserError(f"{flag}: expected a whole number such as 20e9, got {text!r}")
 
 
 def _interrupt(signum, frame):

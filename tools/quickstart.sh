@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU quickstart, end to end on the shipped corpus (data_corpus/, GCIDE):
 #   1. train a 4,096-piece SentencePiece tokenizer,
-#   2. preprocess the corpus into .bin/.idx token files,
+#   2. preprocess the corpus into one .bin/.idx prefix (--single-prefix: a small corpus),
 #   3. train recipes/tiny_cpu.yaml (a tiny STEM model) on 2 ranks (data parallel) with
 #      periodic validation and checkpoints, TensorBoard logs in runs/quickstart/ckpt.
 # Extra arguments are recipe overrides, e.g.  bash tools/quickstart.sh train.steps=50
@@ -20,7 +20,8 @@ fi
 if [ ! -f "$OUT/data/gcide_text_document.idx" ]; then
   "$PY" tools/preprocess_data.py --input data_corpus/gcide.jsonl.gz --json-keys text \
       --output-prefix "$OUT/data/gcide" --tokenizer-type sentencepiece \
-      --tokenizer-model "$OUT/tokenizer/gcide.model" --append-eod --workers "$NPROC"
+      --tokenizer-model "$OUT/tokenizer/gcide.model" --append-eod --workers "$NPROC" \
+      --single-prefix
 fi
 OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
     -m megatron_stem.train --recipe recipes/tiny_cpu.yaml \

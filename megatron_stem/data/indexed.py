@@ -13,6 +13,8 @@ Preprocessing writes one sequence per document, so D = S + 1 and the indices are
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import struct
@@ -21,6 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
+from megatron_stem.data.durable import read_json, sync_dir, write_json
 from megatron_stem.errors import UserError
 
 _HEADER = b"MMIDIDX\x00\x00"
@@ -33,6 +36,9 @@ _DTYPE_CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5,
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 # Index entries copied per step while merging: bounds the merge's memory (~16 MB a step).
 _SLICE = 1 << 21
+# `.bin` bytes copied by `merge_resumable` between two records of its progress: each record
+# syncs the output, and a killed merge redoes at most this much.
+_JOURNAL_BYTES = 1 << 30
 
 
 def token_dtype(vocab_size: int) -> type:
@@ -76,6 +82,11 @@ def read_header(path: str) -> IndexHeader:
     if version != _VERSION or code not in _CODE_DTYPES:
         raise UserError(f"{path}: unsupported .idx version {version} / dtype code {code}")
     return IndexHeader(_CODE_DTYPES[code], sequences, documents)
+
+
+def index_size(documents: int) -> int:
+    """Bytes of the `.idx` of `documents` documents, one sequence each."""
+    return _HEADER_SIZE + 20 * documents + 8
 
 
 def _write_header(f, dtype: type, sequences: int, documents: int) -> None:
@@ -158,23 +169,70 @@ def merge(parts: Sequence[str], out_prefix: str, dtype: type) -> IndexHeader:
     Writes exactly `out_prefix.bin` and `out_prefix.idx`; callers wanting atomicity pass a
     temporary prefix and rename.
     """
+    headers = _headers(parts, dtype)
+    # Unbuffered: the kernel-side copy moves the files' offsets under Python's feet.
+    with open(bin_path(out_prefix), "wb", buffering=0) as out:
+        for p in parts:
+            _append(p, out)
+        _finish(out)
+    return _write_index(parts, headers, idx_path(out_prefix), dtype)
+
+
+def merge_resumable(parts: Sequence[str], out_prefix: str, dtype: type) -> IndexHeader:
+    """`merge` that survives being killed: the `.bin` is copied into `out_prefix.tmp.bin`
+    and, every `_JOURNAL_BYTES`, synced and journaled (parts copied, bytes) in
+    `out_prefix.merge.json`. A rerun with the same parts cuts the temporary file back to
+    the journaled size and copies only the parts after it. The outputs appear under their
+    names, renamed, only when whole; the journal is then removed.
+    """
+    headers = _headers(parts, dtype)
+    tmp, journal_path = out_prefix + ".tmp", out_prefix + ".merge.json"
+    # The parts and their sizes: a journal of other parts is stale.
+    source = hashlib.sha256(json.dumps(
+        [np.dtype(dtype).name, *[[p, os.path.getsize(bin_path(p))] for p in parts]]
+    ).encode()).hexdigest()
+    journal = read_json(journal_path)
+    kept = os.path.getsize(bin_path(tmp)) if os.path.exists(bin_path(tmp)) else -1
+    if journal is None or journal["source"] != source or kept < journal["bytes"]:
+        journal = {"source": source, "parts": 0, "bytes": 0}
+    mode = "r+b" if kept >= 0 else "wb"
+    with open(bin_path(tmp), mode, buffering=0) as out:
+        out.truncate(journal["bytes"])  # what was copied after the last record is redone
+        out.seek(journal["bytes"])
+        unrecorded = 0
+        for k in range(journal["parts"], len(parts)):
+            unrecorded += _append(parts[k], out)
+            if unrecorded >= _JOURNAL_BYTES or k + 1 == len(parts):
+                os.fsync(out.fileno())
+                journal.update(parts=k + 1, bytes=out.tell())
+                write_json(journal_path, journal)
+                unrecorded = 0
+        _finish(out)
+    header = _write_index(parts, headers, idx_path(tmp), dtype)
+    os.replace(bin_path(tmp), bin_path(out_prefix))
+    os.replace(idx_path(tmp), idx_path(out_prefix))
+    sync_dir(os.path.dirname(os.path.abspath(out_prefix)))
+    if os.path.exists(journal_path):  # none when there was nothing to copy
+        os.remove(journal_path)
+    return header
+
+
+def _headers(parts: Sequence[str], dtype: type) -> list[IndexHeader]:
     headers = [read_header(idx_path(p)) for p in parts]
     for p, h in zip(parts, headers):
         if h.dtype != dtype:
             raise UserError(f"{idx_path(p)}: holds {np.dtype(h.dtype).name} tokens, "
                             f"expected {np.dtype(dtype).name}")
+    return headers
+
+
+def _write_index(parts: Sequence[str], headers: Sequence[IndexHeader], path: str,
+                 dtype: type) -> IndexHeader:
+    """The `.idx` of the parts' concatenation, streamed slice by slice, synced."""
     itemsize = np.dtype(dtype).itemsize
     sequences = sum(h.sequences for h in headers)
     documents = 1 + sum(h.documents - 1 for h in headers)
-
-    # Unbuffered: the kernel-side copy moves the files' offsets under Python's feet.
-    with open(bin_path(out_prefix), "wb", buffering=0) as out:
-        for p in parts:
-            with open(bin_path(p), "rb", buffering=0) as f:
-                _copy(f, out)
-        _finish(out)
-
-    with open(idx_path(out_prefix), "wb") as out:
+    with open(path, "wb") as out:
         _write_header(out, dtype, sequences, documents)
         # The three arrays each span the whole corpus, so the parts are visited three times.
         for p, h in zip(parts, headers):
@@ -204,6 +262,13 @@ def _slices(prefix: str, header: IndexHeader, offset: int, dtype: type, count: i
     for i in range(0, count, _SLICE):
         yield np.array(array[i:i + _SLICE])
     del array
+
+
+def _append(prefix: str, out) -> int:
+    """Append the `.bin` of `prefix` to unbuffered file `out`; returns its size."""
+    with open(bin_path(prefix), "rb", buffering=0) as f:
+        _copy(f, out)
+        return os.fstat(f.fileno()).st_size
 
 
 def _copy(src, dst) -> None:

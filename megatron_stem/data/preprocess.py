@@ -11,19 +11,22 @@ How it works:
    gigatoken, Arrow's JSON reader and the writes all release the GIL. With the reference
    libraries they are processes, and token ids never travel back to the main process.
    Either way no more than two chunks per worker are in memory at once.
-3. When every shard is done, the parts are concatenated in shard and chunk order into
-   `<output-prefix>_<key>_document.bin/.idx` (`indexed.merge`, streaming), the stats are
-   written next to them, and the parts are removed.
+3. When every shard is done, runs of consecutive parts are merged into the prefixes of a
+   prefix set, `<output-prefix>_<key>_document/` (`prefix_sets.py`: prefixes closed at a
+   size limit, a group file, then `manifest.json`), the stats are written, and the parts
+   are removed. With `single_prefix`, all parts are merged into one
+   `<output-prefix>_<key>_document.bin/.idx` instead (`indexed.merge_resumable`).
 
 The output depends only on the inputs and settings, not on the worker count nor on how
 often the run was interrupted: a rerun skips finished shards (a `done.json`) and chunks
-(a manifest) and redoes the rest. Shards can also be split among the tasks of a SLURM
-array (`group_index`/`num_groups`), followed by one `merge_only` run.
+(a manifest) and redoes the rest. The shards can also be split into contiguous groups
+among the tasks of a SLURM array (`group_index`/`num_groups`): each task writes its own
+group's prefixes, usable as soon as it ends, and one `merge_only` run then writes the
+manifest (or, with `single_prefix`, merges every group's parts).
 """
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -40,7 +43,12 @@ import numpy as np
 
 from megatron_stem.data.encoders import (BACKENDS, GigatokenEncoder, ReferenceEncoder,
                                          first_difference, load_encoder)
-from megatron_stem.data.indexed import bin_path, idx_path, merge, sync, token_dtype
+from megatron_stem.data.durable import read_json, write_json
+from megatron_stem.data.indexed import bin_path, idx_path, merge_resumable, sync, token_dtype
+from megatron_stem.data.prefix_sets import (DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_TOKENS, FORMAT,
+                                            MANIFEST, MAX_DOCUMENTS, GroupWriter, Part,
+                                            array_sizes, contiguous_groups, group_file, plan,
+                                            remove_unlisted, set_record)
 from megatron_stem.data.progress import Progress
 from megatron_stem.data.readers import (SKIP_REASONS, Chunk, Shard, Skip, find_shards, iter_records,
                                         read_chunks)
@@ -79,10 +87,13 @@ class PreprocessConfig:
     on_error: Literal["skip", "fail"] = "skip"
     chunk_bytes: Optional[int] = None  # text per unit of work; None: `auto_chunk_bytes`
     log_interval: float = 10.0  # seconds between progress lines when not on a terminal
-    group_index: int = 0  # this task processes shards group_index, +num_groups, ...
-    num_groups: int = 1
+    group_index: int = 0  # this task processes the group_index-th of num_groups contiguous
+    num_groups: int = 1  # runs of the input files (balanced by bytes)
     merge_only: bool = False
     keep_parts: bool = False
+    single_prefix: bool = False  # one <prefix>_<key>_document.bin/.idx, not a prefix set
+    prefix_max_tokens: int = DEFAULT_MAX_TOKENS  # a prefix set's prefix is closed before
+    prefix_max_documents: int = DEFAULT_MAX_DOCUMENTS  # the next part takes it past these
 
     def validate(self) -> None:
         if self.workers < 1:
@@ -107,10 +118,25 @@ class PreprocessConfig:
         if not self.output_prefix or self.output_prefix.endswith(os.sep):
             raise UserError(f"--output-prefix: {self.output_prefix!r} must name files, "
                             "e.g. data/corpus")
+        if not isinstance(self.prefix_max_tokens, int) or self.prefix_max_tokens < 1:
+            raise UserError(f"--prefix-max-tokens: must be a whole number >= 1, got "
+                            f"{self.prefix_max_tokens!r}")
+        if (not isinstance(self.prefix_max_documents, int)
+                or not 1 <= self.prefix_max_documents <= MAX_DOCUMENTS):
+            raise UserError(f"--prefix-max-documents: must be a whole number in 1..{MAX_DOCUMENTS}"
+                            f" (megatron-core holds document ids as int32), got "
+                            f"{self.prefix_max_documents!r}")
 
     def output(self, key: str) -> str:
-        """Megatron-LM's naming: <prefix>_<key>_document.{bin,idx}."""
+        """Megatron-LM's naming: <prefix>_<key>_document.{bin,idx} with `single_prefix`,
+        else the prefix set's folder of that name."""
         return f"{self.output_prefix}_{key}_document"
+
+    def group_errors_path(self, group: int, num_groups: int) -> str:
+        """The skipped records of one group; joined into `errors_path` by the last step."""
+        if num_groups == 1:
+            return self.errors_path
+        return f"{self.output_prefix}.group-{group:05d}-of-{num_groups:05d}.errors.log"
 
     @property
     def stats_path(self) -> str:
@@ -160,7 +186,7 @@ class _Job:
             raise UserError(f"--prepend-bos: {self.tokenizer.path} has no beginning-of-document "
                             "token")
         outputs = [path for key in cfg.json_keys for path in
-                   (bin_path(cfg.output(key)), idx_path(cfg.output(key)))]
+                   (cfg.output(key), bin_path(cfg.output(key)), idx_path(cfg.output(key)))]
         self.shards, ignored = find_shards(
             cfg.inputs, exclude=outputs + [cfg.stats_path, cfg.errors_path, cfg.parts_dir])
         if ignored:
@@ -179,7 +205,16 @@ class _Job:
                          "chunk_bytes": cfg.chunk_bytes or "auto"}
         if cfg.prepend_bos:  # absent when off: outputs made before the flag stay up to date
             self.settings["prepend_bos"] = True
-        self.identity = _digest({"settings": self.settings,
+        # What a prefix set's files hold besides their prefixes (manifest.json's header).
+        self.header = {"format": FORMAT, "dtype": self.settings["dtype"],
+                       "tokenizer": self.settings["tokenizer"], "append_eod": cfg.append_eod}
+        self.num_groups = cfg.num_groups
+        if cfg.merge_only and not cfg.single_prefix and cfg.num_groups == 1:
+            self.num_groups = self._array_size()
+        layout = ({"single_prefix": True} if cfg.single_prefix else
+                  {"limits": [cfg.prefix_max_tokens, cfg.prefix_max_documents],
+                   "num_groups": self.num_groups})
+        self.identity = _digest({"settings": self.settings, "layout": layout,
                                  "shards": [s.identity() for s in self.shards]})
         self.run_stats = Counter()  # this run's own work
         self.encoder = None  # made when there is something to tokenize
@@ -196,16 +231,92 @@ class _Job:
             stats = self._up_to_date()
             if stats is not None:
                 return {**stats, "up_to_date": True}
+        prefixes = None
         if not cfg.merge_only:
-            self._process(self.shards[cfg.group_index::cfg.num_groups])
+            shards = self._group_shards(cfg.group_index)
+            if cfg.single_prefix:
+                self._process(shards)
+            else:
+                prefixes = self._write_group(cfg.group_index, shards)
         if not final:
-            return self._group_stats(time.monotonic() - start)
-        return self._finalize(time.monotonic() - start)
+            return self._group_stats(time.monotonic() - start, prefixes)
+        if cfg.single_prefix:
+            return self._finalize_single(time.monotonic() - start)
+        return self._finalize_set(time.monotonic() - start)
 
     def _say(self, text: str) -> None:
         if self.log is not None:
             self.log.write(text + "\n")
             self.log.flush()
+
+    # -- groups
+
+    def _group_shards(self, group: int) -> list:
+        """The group's contiguous run of the input files (a run without groups: all)."""
+        run = contiguous_groups([s.size for s in self.shards], self.num_groups)[group]
+        return self.shards[run.start:run.stop]
+
+    def _array_size(self) -> int:
+        """--merge-only without --num-groups: the array size of the newest group files."""
+        folder = self.cfg.output(self.keys[0])
+        sizes = array_sizes(folder)
+        if not sizes:
+            raise UserError(f"--merge-only: {folder} holds no group files: run the "
+                            "preprocessing tasks first")
+        return max(sizes, key=sizes.get)
+
+    def _group_writer(self, group: int, shards: list) -> GroupWriter:
+        identity = _digest({"settings": self.settings, "group": [group, self.num_groups],
+                            "limits": [self.cfg.prefix_max_tokens,
+                                       self.cfg.prefix_max_documents],
+                            "shards": [s.identity() for s in shards]})
+        progress = os.path.join(self.cfg.parts_dir,
+                                f"group-{group:05d}-of-{self.num_groups:05d}.progress.json")
+        return GroupWriter({k: self.cfg.output(k) for k in self.keys}, group, self.num_groups,
+                           self.dtype, identity, progress)
+
+    def _write_group(self, group: int, shards: list) -> dict:
+        """Tokenize the group's files, merge their parts into the group's prefixes and
+        record them in its group file, then remove the parts; a group whose group file is
+        there already is done. Returns the group file's content per key."""
+        cfg = self.cfg
+        writer = self._group_writer(group, shards)
+        records = writer.done()
+        if records is None:
+            self._process(shards)
+            prefixes, lost = self._plan_group(shards, writer)
+            if lost:  # parts released by a run of other settings: those files are redone
+                for shard in lost:
+                    shutil.rmtree(self._shard_dir(shard))
+                self._process(shards)
+                prefixes, _ = self._plan_group(shards, writer)
+            stats = self._totals(shards, self._all_finished(shards),
+                                 cfg.group_errors_path(group, self.num_groups))
+            os.makedirs(cfg.parts_dir, exist_ok=True)
+            records = writer.write(prefixes, self.header, stats,
+                                   release=None if cfg.keep_parts else _remove_parts)
+        else:
+            self.run_stats["groups_resumed"] += 1
+            first_errors = records[self.keys[0]]["stats"]["first_errors"]
+            if cfg.on_error == "fail" and first_errors:
+                raise BadRecord(first_errors[0] + " (--on-error fail)")
+        if not cfg.keep_parts:
+            for shard in shards:
+                shutil.rmtree(self._shard_dir(shard), ignore_errors=True)
+        return records
+
+    def _plan_group(self, shards: list, writer: GroupWriter) -> tuple[list, list]:
+        """The group's prefixes (as runs of parts), and the shards with a part that a
+        prefix still to be written needs but that is gone."""
+        parts = [Part(self._part_prefixes(self._shard_dir(shard), i), chunk["documents"],
+                      chunk["tokens"])
+                 for shard, done in zip(shards, self._all_finished(shards))
+                 for i, chunk in enumerate(self._chunks(shard, done))]
+        prefixes = plan(parts, self.cfg.prefix_max_tokens, self.cfg.prefix_max_documents)
+        gone = {os.path.dirname(path) for prefix in prefixes[writer.resumed(prefixes):]
+                for part in prefix for path in part.prefixes.values()
+                if not os.path.exists(bin_path(path))}
+        return prefixes, [s for s in shards if self._shard_dir(s) in gone]
 
     # -- paths and manifests
 
@@ -223,11 +334,16 @@ class _Job:
     def _chunk_json(shard_dir: str, index: int) -> str:
         return os.path.join(shard_dir, f"{index:06d}.json")
 
+    def _chunks(self, shard: Shard, done: dict) -> list:
+        """The summaries of a finished shard's chunks, in order."""
+        shard_dir = self._shard_dir(shard)
+        return [read_json(self._chunk_json(shard_dir, i)) for i in range(done["chunks"])]
+
     def _part_prefixes(self, shard_dir: str, index: int) -> dict:
         return {k: os.path.join(shard_dir, f"{index:06d}_{k}") for k in self.keys}
 
     def _finished(self, shard: Shard) -> Optional[dict]:
-        done = _read_json(os.path.join(self._shard_dir(shard), "done.json"))
+        done = read_json(os.path.join(self._shard_dir(shard), "done.json"))
         return done if done is not None and done.get("source") == self._source(shard) else None
 
     def _check_reused(self, shard: Shard, first_error: Optional[list]) -> None:
@@ -304,7 +420,7 @@ class _Job:
                         self._skip(state, item, progress)
                         continue
                     state.chunks += 1
-                    manifest = _read_json(self._chunk_json(state.dir, item.index))
+                    manifest = read_json(self._chunk_json(state.dir, item.index))
                     if manifest is not None:  # finished by an earlier run
                         self._check_reused(shard, (manifest["errors"] or [None])[0])
                         progress.resumed(item.disk_bytes)
@@ -355,11 +471,11 @@ class _Job:
             return None
         state = _ShardState(shard, self._shard_dir(shard))
         source_path = os.path.join(state.dir, "source.json")
-        if _read_json(source_path) != self._source(shard):
+        if read_json(source_path) != self._source(shard):
             # Parts made from another version of the file or other settings are stale.
             shutil.rmtree(state.dir, ignore_errors=True)
             os.makedirs(state.dir)
-            _atomic_json(source_path, self._source(shard))
+            write_json(source_path, self._source(shard))
         return state
 
     def _skip(self, state: _ShardState, skip: Skip, progress: Progress) -> None:
@@ -398,7 +514,7 @@ class _Job:
         the disk with a CPU idle (this thread mostly waits anyway)."""
         for prefix in self._part_prefixes(state.dir, chunk.index).values():
             sync(prefix)
-        _atomic_json(self._chunk_json(state.dir, chunk.index), summary)
+        write_json(self._chunk_json(state.dir, chunk.index), summary)
         state.pending -= 1
         progress.add(input_bytes=chunk.input_bytes, disk_bytes=chunk.disk_bytes)
         self.run_stats.update(chunks_processed=1, documents=summary["documents"],
@@ -422,20 +538,34 @@ class _Job:
         totals = _Totals(self.keys)
         totals.add_errors(state.errors)
         for i in range(state.chunks):
-            totals.add_chunk(_read_json(self._chunk_json(state.dir, i)))
-        _atomic_json(os.path.join(state.dir, "done.json"),
+            totals.add_chunk(read_json(self._chunk_json(state.dir, i)))
+        write_json(os.path.join(state.dir, "done.json"),
                      {"source": self._source(state.shard), "chunks": state.chunks,
                       "shard_errors": state.errors, "first_error": totals.first_error,
                       **totals.as_dict()})
 
     # -- the end
 
-    def _group_stats(self, seconds: float) -> dict:
+    def _group_stats(self, seconds: float, records: Optional[dict]) -> dict:
         cfg = self.cfg
-        self._say(f"group {cfg.group_index} of {cfg.num_groups} finished; once every group "
-                  "has, run the same command with --merge-only")
-        return {"group": [cfg.group_index, cfg.num_groups], "seconds": round(seconds, 3),
-                "this_run": self._run_dict(seconds)}
+        if records is None:
+            self._say(f"group {cfg.group_index} of {cfg.num_groups} finished; once every group "
+                      "has, run the same command with --merge-only to merge them")
+        else:
+            self._say(f"group {cfg.group_index} of {cfg.num_groups} finished: its prefixes are "
+                      "usable now; once every group has, run the same command with "
+                      f"--merge-only to write {MANIFEST}")
+        stats = {"group": [cfg.group_index, cfg.num_groups], "seconds": round(seconds, 3),
+                 "this_run": self._run_dict(seconds)}
+        if records is not None:
+            stats["prefixes"] = self._prefix_paths(records)
+        return stats
+
+    def _prefix_paths(self, records: dict) -> dict:
+        """key -> [{prefix (a path), documents, tokens}] of a prefix set's records."""
+        return {k: [{"prefix": os.path.join(self.cfg.output(k), p["name"]),
+                     "documents": p["documents"], "tokens": p["tokens"]}
+                    for p in records[k]["prefixes"]] for k in self.keys}
 
     def _run_dict(self, seconds: float) -> dict:
         r = self.run_stats
@@ -443,90 +573,167 @@ class _Job:
         return {"documents": r["documents"], "tokens": r["tokens"],
                 "input_bytes": r["input_bytes"], "chunks_processed": r["chunks_processed"],
                 "chunks_resumed": r["chunks_resumed"], "shards_resumed": r["shards_resumed"],
+                "groups_resumed": r["groups_resumed"],
                 "docs_per_s": rate(r["documents"]), "tokens_per_s": rate(r["tokens"]),
                 "mb_per_s": round(r["input_bytes"] / 1e6 / seconds, 3) if seconds > 0 else 0.0,
                 "tokenizer_backend": self.encoder.name if self.encoder else None}
 
     def _up_to_date(self) -> Optional[dict]:
-        stats = _read_json(self.cfg.stats_path)
+        stats = read_json(self.cfg.stats_path)
         if stats is None or stats.get("identity") != self.identity:
             return None
-        for key, sizes in stats.get("output_bytes", {}).items():
-            for path, size in ((bin_path(self.cfg.output(key)), sizes["bin"]),
-                               (idx_path(self.cfg.output(key)), sizes["idx"])):
-                if not os.path.isfile(path) or os.path.getsize(path) != size:
-                    return None
+        for path, size in stats.get("output_files", {}).items():
+            if not os.path.isfile(path) or os.path.getsize(path) != size:
+                return None
         if self.cfg.on_error == "fail" and stats["first_errors"]:
             raise BadRecord(stats["first_errors"][0] + " (--on-error fail)")
         return stats
 
-    def _finalize(self, seconds: float) -> dict:
-        cfg = self.cfg
-        dones = [self._finished(s) for s in self.shards]
-        missing = [s for s, d in zip(self.shards, dones) if d is None]
+    def _all_finished(self, shards: list) -> list:
+        """The shards' `done.json`s; all must be there."""
+        dones = [self._finished(s) for s in shards]
+        missing = [s for s, d in zip(shards, dones) if d is None]
         if missing:
-            raise UserError(f"{len(missing)} of {len(self.shards)} input files are not "
+            raise UserError(f"{len(missing)} of {len(shards)} input files are not "
                             f"processed yet, e.g. {missing[0].path}: run every preprocessing "
                             "task to the end before --merge-only")
+        return dones
+
+    def _totals(self, shards: list, dones: list, errors_path: str) -> dict:
+        """What the stats say about these shards; writes their skipped records to
+        `errors_path`."""
         totals = _Totals(self.keys)
         for done in dones:
             totals.add_chunk(done)
-        output_bytes = {}
+        first_errors = _write_lines(errors_path, self._error_lines(shards, dones))
+        return {**totals.as_dict(), "input_disk_bytes": sum(s.size for s in shards),
+                "shards": len(shards), "chunks": sum(d["chunks"] for d in dones),
+                "errors_log": errors_path if first_errors else None,
+                "first_errors": first_errors}
+
+    def _finalize_single(self, seconds: float) -> dict:
+        """--single-prefix: every part merged, resumably, into one prefix per key."""
+        cfg = self.cfg
+        dones = self._all_finished(self.shards)
+        totals = self._totals(self.shards, dones, cfg.errors_path)
         for key in self.keys:
             parts = [self._part_prefixes(self._shard_dir(s), i)[key]
                      for s, d in zip(self.shards, dones) for i in range(d["chunks"])]
-            out, tmp = cfg.output(key), f"{cfg.output(key)}.tmp{os.getpid()}"
-            for stale in glob.glob(glob.escape(out) + ".tmp*"):  # from a killed merge
-                os.remove(stale)
-            merge(parts, tmp, self.dtype)
-            os.replace(bin_path(tmp), bin_path(out))
-            os.replace(idx_path(tmp), idx_path(out))
-            output_bytes[key] = {"bin": os.path.getsize(bin_path(out)),
-                                 "idx": os.path.getsize(idx_path(out))}
-        first_errors = self._write_errors_log(dones)
+            merge_resumable(parts, cfg.output(key), self.dtype)
+        prefixes = {k: [{"prefix": cfg.output(k), "documents": totals["documents"],
+                         "tokens": totals["tokens"][k]}] for k in self.keys}
+        files = [p for k in self.keys for p in (bin_path(cfg.output(k)), idx_path(cfg.output(k)))]
+        return self._write_stats(seconds, totals, prefixes, files)
+
+    def _finalize_set(self, seconds: float) -> dict:
+        """Every group's prefixes listed in each key's manifest.json; nothing is copied."""
+        cfg = self.cfg
+        writers = [self._group_writer(g, self._group_shards(g)) for g in range(self.num_groups)]
+        records = [w.done() for w in writers]
+        missing = [g for g, r in enumerate(records) if r is None]
+        if missing:
+            path = os.path.join(cfg.output(self.keys[0]), group_file(missing[0], self.num_groups))
+            why = ("is from other inputs or settings (--merge-only takes the tasks' flags), "
+                   "or a prefix it lists is gone" if os.path.exists(path) else "is missing")
+            raise UserError(f"{len(missing)} of {self.num_groups} groups are not finished, e.g. "
+                            f"group {missing[0]}: {path} {why}; run every preprocessing task "
+                            "to the end before --merge-only")
+        listed = {k: [p for r in records for p in r[k]["prefixes"]] for k in self.keys}
+        files = []
+        for key in self.keys:
+            folder = cfg.output(key)
+            manifest = set_record(self.header, listed[key])
+            write_json(os.path.join(folder, MANIFEST), manifest)
+            remove_unlisted(folder, manifest, self.num_groups)
+            files += [os.path.join(folder, MANIFEST)] + [
+                path for p in manifest["prefixes"]
+                for path in (bin_path(os.path.join(folder, p["name"])),
+                             idx_path(os.path.join(folder, p["name"])))]
+        groups = [r[self.keys[0]]["stats"] for r in records]
+        totals = _sum_totals(groups, self.keys)
+        logs = [g["errors_log"] for g in groups if g["errors_log"]]
+        if logs != [cfg.errors_path]:  # a run without groups wrote it already
+            totals["first_errors"] = _write_lines(cfg.errors_path, _lines_of(logs))
+        totals["errors_log"] = cfg.errors_path if totals["first_errors"] else None
+        prefixes = self._prefix_paths({k: {"prefixes": listed[k]} for k in self.keys})
+        return self._write_stats(seconds, totals, prefixes, files)
+
+    def _write_stats(self, seconds: float, totals: dict, prefixes: dict, files: list) -> dict:
+        cfg = self.cfg
         stats = {"outputs": {k: cfg.output(k) for k in self.keys},
-                 **totals.as_dict(), "tokens_by_key": totals.as_dict()["tokens"],
-                 "input_disk_bytes": sum(s.size for s in self.shards),
-                 "shards": len(self.shards), "chunks": sum(d["chunks"] for d in dones),
-                 "errors_log": cfg.errors_path if first_errors else None,
-                 "first_errors": first_errors,
+                 "layout": "single-prefix" if cfg.single_prefix else "prefix-set",
+                 "prefixes": prefixes, **totals, "tokens_by_key": totals["tokens"],
                  "seconds": round(seconds, 3), "workers": cfg.workers,
                  "this_run": self._run_dict(seconds),
                  "tokenizer": self.tokenizer.unique_identifiers, "dtype": self.settings["dtype"],
                  "json_keys": self.keys, "append_eod": cfg.append_eod,
                  "prepend_bos": cfg.prepend_bos, "identity": self.identity,
-                 "output_bytes": output_bytes}
+                 "output_files": {path: os.path.getsize(path) for path in files}}
         stats["tokens"] = sum(stats["tokens_by_key"].values())
-        _atomic_json(cfg.stats_path, stats)
+        write_json(cfg.stats_path, stats)
         if not cfg.keep_parts:
             shutil.rmtree(cfg.parts_dir, ignore_errors=True)
         return stats
 
-    def _write_errors_log(self, dones: list) -> list:
-        """Every skipped record, in input order, one `file:line: reason: detail` a line;
-        returns the first few lines."""
-        path, tmp = self.cfg.errors_path, f"{self.cfg.errors_path}.tmp{os.getpid()}"
-        first = []
-        with open(tmp, "w", encoding="utf-8") as f:
-            for shard, done in zip(self.shards, dones):
-                if not done["skipped"]:
-                    continue
-                errors = list(done["shard_errors"])
-                shard_dir = self._shard_dir(shard)
-                for i in range(done["chunks"]):
-                    errors += _read_json(self._chunk_json(shard_dir, i))["errors"]
-                for error in sorted(errors, key=lambda e: e[0]):
-                    line = Skip(*error).describe(shard.path)
-                    f.write(line + "\n")
-                    if len(first) < 20:
-                        first.append(line)
-        if first:
-            os.replace(tmp, path)
-        else:
-            os.remove(tmp)
-            if os.path.exists(path):  # from an earlier run of other inputs
-                os.remove(path)
-        return first
+    def _error_lines(self, shards: list, dones: list):
+        """Every skipped record of the shards, in input order, as `file:line: reason:
+        detail`."""
+        for shard, done in zip(shards, dones):
+            if not done["skipped"]:
+                continue
+            errors = list(done["shard_errors"])
+            for chunk in self._chunks(shard, done):
+                errors += chunk["errors"]
+            for error in sorted(errors, key=lambda e: e[0]):
+                yield Skip(*error).describe(shard.path)
+
+
+def _remove_parts(parts: list) -> None:
+    """Token files of parts merged into a finished prefix (their chunks' records stay)."""
+    for part in parts:
+        for prefix in part.prefixes.values():
+            for path in (bin_path(prefix), idx_path(prefix)):
+                if os.path.exists(path):
+                    os.remove(path)
+
+
+def _write_lines(path: str, lines) -> list:
+    """Write `lines` to `path` (atomically; no file, and none left from an earlier run,
+    when there are none); returns the first 20."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    first = []
+    with open(tmp, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write(line + "\n")
+            if len(first) < 20:
+                first.append(line)
+    if first:
+        os.replace(tmp, path)
+    else:
+        os.remove(tmp)
+        if os.path.exists(path):  # from an earlier run of other inputs
+            os.remove(path)
+    return first
+
+
+def _lines_of(paths: list):
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                yield line.rstrip("\n")
+
+
+def _sum_totals(groups: list, keys: Sequence[str]) -> dict:
+    """The groups' stats added up."""
+    tokens, skipped = Counter({k: 0 for k in keys}), Counter()
+    for g in groups:
+        tokens.update(g["tokens"])
+        skipped.update(g["skipped"])
+    total = {field: sum(g[field] for g in groups)
+             for field in ("documents", "input_bytes", "input_disk_bytes", "shards", "chunks")}
+    return {**total, "tokens": dict(tokens),
+            "skipped": {r: skipped[r] for r in SKIP_REASONS if skipped[r]},
+            "first_errors": [e for g in groups for e in g["first_errors"]][:20]}
 
 
 class _Totals:
@@ -562,9 +769,17 @@ def format_summary(stats: dict) -> str:
     """The stats as a few lines for people."""
     run = stats["this_run"]
     lines = []
+    if "group" in stats and "prefixes" in stats:
+        g, n = stats["group"]
+        for key, prefixes in stats["prefixes"].items():
+            lines.append(f"group {g} of {n}: wrote {len(prefixes)} prefix(es) of {key!r}")
     if "outputs" in stats:
-        for key, prefix in stats["outputs"].items():
-            lines.append(f"wrote {prefix}.bin/.idx ({stats['dtype']})")
+        for key, output in stats["outputs"].items():
+            if stats["layout"] == "single-prefix":
+                lines.append(f"wrote {output}.bin/.idx ({stats['dtype']})")
+            else:
+                lines.append(f"wrote {output}/{MANIFEST}: {len(stats['prefixes'][key])} "
+                             f"prefix(es) ({stats['dtype']})")
         skipped = stats["skipped"]
         lines.append(f"{stats['documents']:,} documents, {stats['tokens']:,} tokens from "
                      f"{stats['shards']} file(s); skipped {sum(skipped.values()):,}"
@@ -589,22 +804,3 @@ def format_summary(stats: dict) -> str:
 
 def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
-def _read_json(path: str) -> Optional[dict]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
-    except ValueError:  # cannot happen with atomic writes, but a hand-edited file may
-        return None
-
-
-def _atomic_json(path: str, obj) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
