@@ -130,12 +130,13 @@ def test_bos_documents_round_trip_through_preprocessing_and_document_masking(
     starts with BOS at position 0 right after the EOD that closed the one before, its
     attention starts there, and only the prediction made at an EOD leaves the loss."""
     from megatron_stem.config import DataConfig, Recipe, TrainConfig
-    from megatron_stem.training.data import StepBatches, build_datasets
+    from megatron_stem.training.data import Samples, StepBatches, open_datasets
     from workers.common import document_inputs, tiny_model
 
     texts = corpus_texts[:200]
     write(tmp_path / "in.jsonl", jsonl_bytes({"text": t} for t in texts))
-    stats = run([tmp_path / "in.jsonl"], tmp_path / "out", sp_model, prepend_bos=True)
+    stats = run([tmp_path / "in.jsonl"], tmp_path / "out", sp_model, prepend_bos=True,
+                single_prefix=True)
     prefix = stats["outputs"]["text"]
     assert tok.bos is not None and tok.bos != tok.eod
     assert read_documents(prefix) == [[tok.bos] + ids for ids in expected_ids(tok, texts)]
@@ -143,9 +144,10 @@ def test_bos_documents_round_trip_through_preprocessing_and_document_masking(
 
     recipe = Recipe(model=tiny_model(vocab_size=tok.vocab_size, seq_length=256),
                     data=DataConfig(prefixes=[prefix], split="1,0,0", reset_position_ids=True,
-                                    reset_attention_mask=True, eod_mask_loss=True),
+                                    reset_attention_mask=True, eod_mask_loss=True,
+                                    cache_dir=str(tmp_path / "cache")),
                     train=TrainConfig(seed=3))
-    train, _ = build_datasets(recipe, tok, 8, 0, str(tmp_path / "cache"))
+    train, _ = open_datasets(recipe, tok, Samples(8, 0))
     (batch,) = StepBatches(train, 8, 8, 0, 1, torch.device("cpu")).microbatches(0)
     tokens, positions = batch["tokens"], batch["position_ids"]
     after_eod = torch.zeros_like(tokens, dtype=torch.bool)
