@@ -271,16 +271,26 @@ class ParallelConfig:
 class DataSource:
     """One source of a stage's training data: token files and their share of the samples."""
 
-    prefix: str  # `.bin/.idx` path prefix (without the extension), from preprocess_data.py
+    # A `.bin/.idx` path prefix (without the extension) or a prefix-set folder, from
+    # preprocess_data.py; a set's prefixes share `weight` by their tokens.
+    prefix: str
     weight: float  # share of the stage's samples, relative to the other sources' weights
     # Where the text comes from (e.g. a Hugging Face dataset and subset), for the record.
     dataset: str = ""
+    # The whole source's size as tokenized (0: not known): what bench/data_scale.py
+    # predicts the data path's cost at.
+    tokens: float = 0
+    documents: float = 0
 
     def validate(self) -> None:
         if not self.prefix:
             raise ConfigError("prefix: must name the token files (a .bin/.idx prefix)")
         if self.weight <= 0:
             raise ConfigError(f"weight: must be positive, got {self.weight}")
+        for name in ("tokens", "documents"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0 (0: not known), got "
+                                  f"{getattr(self, name)}")
 
 
 @dataclass
@@ -310,7 +320,9 @@ def load_blend(path: str | Path) -> DataBlend:
 
 @dataclass
 class DataConfig:
-    # `.bin/.idx` path prefixes (without the extension), mixed by `weights` (default equal).
+    # `.bin/.idx` path prefixes (without the extension) or prefix-set folders (with a
+    # manifest.json, docs/data.md), mixed by `weights`; without weights megatron samples
+    # each prefix in proportion to its size (its samples), a set's prefixes included.
     prefixes: list[str] = field(default_factory=list)
     weights: Optional[list[float]] = None
     # Or a data recipe (recipes/data/*.yaml, a path from the working directory like every
@@ -321,7 +333,10 @@ class DataConfig:
     split: str = "98,2,0"  # train, valid, test proportions of each prefix's documents
     tokenizer_type: Literal["sentencepiece", "huggingface"] = "sentencepiece"
     tokenizer_model: str = ""
-    cache_dir: Optional[str] = None  # megatron's sample index cache; default <save_dir>/data_cache
+    # The datasets' sample indices (training/datasets.py), shared by every run of the same
+    # data, split, seed and sequence length; default `cache/` beside the first training
+    # entry. Build it ahead of time with tools/build_data_cache.py.
+    cache_dir: Optional[str] = None
     # Document masking, megatron's GPTDatasetConfig flags (off, as in Megatron-LM): samples
     # pack documents end to end, each closed by the tokenizer's EOD token. Restart RoPE
     # positions at 0 after each EOD; keep attention inside each document (model/documents.py);

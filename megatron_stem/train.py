@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -30,9 +29,11 @@ from megatron_stem.evaluation.in_loop import DownstreamEval
 from megatron_stem.model import build_model
 from megatron_stem.parallel import destroy_distributed, device, init_distributed
 from megatron_stem.training.checkpointing import Checkpointer, finished_step
-from megatron_stem.training.data import (StepBatches, build_datasets, build_validation_sets,
+from megatron_stem.training.data import (Prefetcher, Samples, StepBatches,
                                          check_training_data, check_validation_sets,
-                                         model_inputs)
+                                         load_datasets, model_inputs)
+from megatron_stem.training.data import plans as data_plans
+from megatron_stem.training.datasets import prepare
 from megatron_stem.training.engine import build_engine
 from megatron_stem.training.guard import Diverged, Guard
 from megatron_stem.training.lr import lr_at
@@ -132,7 +133,8 @@ def evaluate(model, microbatches: list[dict], tables=None) -> float:
     return _mean_over_dp(loss)
 
 
-def _load_tokenizer(recipe: Recipe):
+def load_tokenizer(recipe: Recipe):
+    """The recipe's tokenizer, checked to fit the model's vocabulary."""
     from megatron_stem.tokenizer import check_fits, load_setting
 
     tokenizer = load_setting("data.tokenizer_model", recipe.data.tokenizer_type,
@@ -142,22 +144,24 @@ def _load_tokenizer(recipe: Recipe):
     return tokenizer
 
 
-def _data(recipe: Recipe, tokenizer) -> tuple[StepBatches, dict[str | None, list[dict]]]:
-    """This data-parallel rank's training batches (by step) and validation micro-batches
-    of each set: None the split's, then the named sets of `data.validation`."""
+def _data(recipe: Recipe, tokenizer) -> tuple[Prefetcher, dict[str | None, list[dict]]]:
+    """This data-parallel rank's training batches (by step, read ahead) and validation
+    micro-batches of each set: None the split's, then the named sets of `data.validation`.
+    The datasets' sample indices come from the shared cache (training/datasets.py), built
+    here by rank 0 only when that is quick."""
     train = recipe.train
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    per_eval = train.eval_iters * train.micro_batch_size * dp
-    cache = recipe.data.cache_dir or str(Path(train.save_dir) / "data_cache")
-    train_ds, valid_ds = build_datasets(
-        recipe, tokenizer, train.steps * train.global_batch_size, per_eval, cache)
+    plans = data_plans(recipe, tokenizer, Samples.of(recipe, dp))
+    prepare(list(plans.values()), dist.get_rank(), dist.barrier,
+            f"python tools/build_data_cache.py --recipe <this recipe> [its overrides] "
+            f"--ranks {dist.get_world_size()}")
+    train_ds, sets = load_datasets(plans, recipe.data.split_validates)
     batches = StepBatches(train_ds, train.micro_batch_size, train.global_batch_size,
                           dp_rank, dp, device())
-    sets = {None: valid_ds} if valid_ds is not None else {}
-    sets.update(build_validation_sets(recipe, tokenizer, per_eval, cache))
+    per_eval = Samples.of(recipe, dp).valid
     valid = {name: StepBatches(ds, train.micro_batch_size, per_eval, dp_rank, dp,
                                device()).microbatches(0) for name, ds in sets.items()}
-    return batches, valid
+    return Prefetcher(batches, train.steps), valid
 
 
 def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
@@ -181,10 +185,10 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     check_training_data(recipe.data)
     check_validation_sets(recipe.data)
     check_wandb_installed(recipe)
-    tokenizer = tokenizer or _load_tokenizer(recipe)
+    tokenizer = tokenizer or load_tokenizer(recipe)
     stop_signal = StopSignal()  # before anything slow (see there)
     init_distributed(recipe.parallel, seed=train.seed)
-    tables = None
+    tables = batches = None
     try:
         check_ranks(recipe.profile, dist.get_world_size())
         downstream = DownstreamEval.start(recipe, tokenizer)  # None: lm_eval.interval 0
@@ -230,6 +234,7 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
             with metrics.paused():
                 _evaluations(step, recipe, model, tables, valid, downstream, metrics, result)
             stop = stop_signal.requested()
+            batches.settle()
             checkpointer.save(step, force=stop)
             if stop:
                 result["preempted"] = True
@@ -242,6 +247,8 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
         metrics.close()
         return result
     finally:
+        if batches is not None:
+            batches.close()  # the loader thread
         if tables is not None:
             tables.close()  # the host tables' staging threads
         destroy_distributed()

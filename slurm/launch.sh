@@ -29,6 +29,8 @@
 #   STEM_MASTER_PORT      rendezvous port on the first node (default: fixed per job id, below
 #                         the node's ephemeral port range; see "rendezvous port" below)
 #   STEM_SHUTDOWN_TIMEOUT seconds the ranks get to save after a stop signal (default: 600)
+#   STEM_BUILD_DATA_CACHE 1: first build the data cache on this node (tools/build_data_cache.py,
+#                         nothing to do once built; the 1B stages' sbatch files set it); 0: no
 # NCCL_* / TORCH_NCCL_* variables already set are kept (see "NCCL defaults" below).
 
 stem_log() { echo "stem: $*"; }
@@ -216,6 +218,15 @@ _stem_latest() { cat "$_stem_save_dir/latest" 2>/dev/null || echo "none"; }
 
 stem_log "job $SLURM_JOB_ID (restart $_stem_restart) $(date '+%F %T'): $_stem_nnodes node(s) x $_stem_procs rank(s) ($_stem_procs_from) on $SLURM_JOB_NODELIST, rendezvous $_stem_master:$_stem_port"
 stem_log "recipe $_stem_recipe | checkpoints $_stem_save_dir (latest: $(_stem_latest)) | job files $_stem_job_dir"
+
+# --- the data cache: built here, before any rank starts, so that no rank waits for rank 0
+# under the process groups' timeout (docs/data.md, "At scale") ---------------------------
+if [[ ${STEM_BUILD_DATA_CACHE:-0} == 1 ]] && (( ! _stem_stop )); then
+    stem_log "data cache: tools/build_data_cache.py on $(hostname) with $_stem_cpus CPUs"
+    python "$STEM_ROOT/tools/build_data_cache.py" "${_stem_args[@]}" \
+        --ranks $(( _stem_nnodes * _stem_procs )) --workers "$_stem_cpus" ||
+        (( _stem_stop )) || stem_die "building the data cache failed (see above)"
+fi
 
 # --- run ---------------------------------------------------------------------------------
 _stem_rc=0

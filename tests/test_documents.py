@@ -20,7 +20,7 @@ from megatron_stem import cpu_compat
 from megatron_stem.config import DataConfig, ParallelConfig, Recipe, TrainConfig
 from megatron_stem.errors import UserError
 from megatron_stem.model import build_model, documents
-from megatron_stem.training.data import HOST_TOKENS, StepBatches, build_datasets
+from megatron_stem.training.data import HOST_TOKENS, Samples, StepBatches, open_datasets
 from workers.common import (document_inputs, eod_token, full_named, microbatches,
                             tiny_model)
 from workers.schedule import forward_backward
@@ -198,8 +198,9 @@ def test_batches_carry_positions_boundaries_and_loss_mask(tmp_path, reset):
     _token_file(tmp_path / "docs", docs)
     recipe = Recipe(model=CFG, data=DataConfig(
         prefixes=[str(tmp_path / "docs")], split="1,0,0", reset_position_ids=reset,
-        reset_attention_mask=reset, eod_mask_loss=reset), train=TrainConfig(seed=3))
-    train, _ = build_datasets(recipe, _tokenizer(EOD), 8, 0, str(tmp_path / "cache"))
+        reset_attention_mask=reset, eod_mask_loss=reset, cache_dir=str(tmp_path / "cache")),
+        train=TrainConfig(seed=3))
+    train, _ = open_datasets(recipe, _tokenizer(EOD), Samples(8, 0))
     (batch,) = StepBatches(train, 4, 4, 0, 1, torch.device("cpu")).microbatches(0)
     tokens = batch["tokens"]
     assert (tokens == EOD).any(dim=1).all()  # every row crosses a document boundary
@@ -225,7 +226,7 @@ def test_masking_without_an_eod_token_is_refused(tmp_path):
     _token_file(tmp_path / "x", [[1, 2, 3]])
     with pytest.raises(UserError, match="data.reset_attention_mask: the tokenizer tok.model "
                                         "has no end-of-document token"):
-        build_datasets(recipe, _tokenizer(None), 8, 0, str(tmp_path / "cache"))
+        open_datasets(recipe, _tokenizer(None), Samples(8, 0))
 
 
 # ---------------------------------------------------------------------------------------

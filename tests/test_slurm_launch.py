@@ -33,7 +33,9 @@ STUBS = {
     # torchrun (slurm/torchrun.py): its arguments and threads recorded; anything else is
     # launch.sh's "can import torch and deepspeed" check
     "python": 'case $1 in *torchrun.py) shift; printf "%s\\n" "$@" >"$STEM_TEST_ARGS"\n'
-              '  echo "$OMP_NUM_THREADS" >"$STEM_TEST_ARGS.threads" ;; esac',
+              '  echo "$OMP_NUM_THREADS" >"$STEM_TEST_ARGS.threads"; echo torchrun >>"$STEM_TEST_ARGS.order" ;;\n'
+              '  *build_data_cache.py) shift; printf "%s\\n" "$@" >"$STEM_TEST_ARGS.cache"\n'
+              '  echo cache >>"$STEM_TEST_ARGS.order" ;; esac',
 }
 
 
@@ -63,6 +65,23 @@ def test_without_overrides_the_command_line_ends_with_the_recipe_and_save_dir(tm
     tail = args[args.index("megatron_stem.train") + 1:]
     assert tail == ["--recipe", str(ROOT / "recipes" / "tiny_cpu.yaml"),
                     f"train.save_dir={tmp_path / 'runs' / 'stem' / 'checkpoints'}"]
+
+
+@pytest.mark.integration
+def test_the_data_cache_is_built_on_the_first_node_before_any_rank_starts(tmp_path):
+    proc, args = _run_launch(tmp_path, STEM_BUILD_DATA_CACHE="1", SLURM_JOB_NUM_NODES="4",
+                             SLURM_GPUS_ON_NODE="8", SLURM_CPUS_ON_NODE="64",
+                             STEM_OVERRIDES="train.steps=3")
+    assert proc.returncode == 0, proc.stderr
+    record = Path(f"{tmp_path / 'srun_args'}")
+    assert Path(f"{record}.order").read_text().split() == ["cache", "torchrun"]
+    cache = Path(f"{record}.cache").read_text().splitlines()
+    recipe = args[args.index("megatron_stem.train") + 1:]
+    assert cache == recipe + ["--ranks", "32", "--workers", "64"]  # the run's own settings
+    # off by default: other sbatch files do not build
+    (tmp_path / "off").mkdir()
+    proc, _ = _run_launch(tmp_path / "off")
+    assert proc.returncode == 0 and not Path(f"{tmp_path / 'off' / 'srun_args'}.cache").exists()
 
 
 @pytest.mark.integration

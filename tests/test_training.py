@@ -92,7 +92,7 @@ def test_cli_reports_missing_data_in_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == \
         f"error: data.prefixes: {tmp_path / 'nothing'}.bin not found (give the path without " \
-        ".bin/.idx, as written by preprocess_data.py)"
+        ".bin/.idx, or a prefix-set folder, as written by preprocess_data.py)"
     assert "Traceback" not in proc.stderr
 
 def test_document_masking_trains_through_the_engine(train, reference):
@@ -127,9 +127,9 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(sp_model):
                                          "tokenizer_model": sp_model}})
     with pytest.raises(UserError, match=r"^data\.tokenizer_model: .*gcide\.model: the tokenizer "
                                         r"has 1000 tokens but the model's vocab_size is 999"):
-        trainer._load_tokenizer(recipe)
+        trainer.load_tokenizer(recipe)
     recipe.model.vocab_size = 1000
-    assert trainer._load_tokenizer(recipe).vocab_size == 1000
+    assert trainer.load_tokenizer(recipe).vocab_size == 1000
 
 @pytest.mark.parametrize("variable, value", [("SLURM_GPUS_ON_NODE", "8"),
                                              ("SLURM_JOB_GPUS", "0,1"),

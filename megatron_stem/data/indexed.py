@@ -117,12 +117,18 @@ class PartWriter:
         passing False calls `sync` itself before anything relies on the part."""
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
         _finish(self._bin, sync)
-        with open(idx_path(self.prefix), "wb") as f:
-            _write_header(f, self.dtype, len(lengths), len(lengths) + 1)
-            f.write(lengths.tobytes())
-            f.write(_pointers(lengths, 0, np.dtype(self.dtype).itemsize).tobytes())
-            f.write(np.arange(len(lengths) + 1, dtype=np.int64).tobytes())
-            _finish(f, sync)
+        write_index(self.prefix, self.dtype, lengths, sync)
+
+
+def write_index(prefix: str, dtype: type, lengths: np.ndarray, sync: bool = True) -> None:
+    """`prefix.idx` of documents of `lengths` tokens, one sequence each, back to back in
+    `prefix.bin`."""
+    with open(idx_path(prefix), "wb") as f:
+        _write_header(f, dtype, len(lengths), len(lengths) + 1)
+        f.write(np.asarray(lengths, dtype=np.int32).tobytes())
+        f.write(_pointers(lengths, 0, np.dtype(dtype).itemsize).tobytes())
+        f.write(np.arange(len(lengths) + 1, dtype=np.int64).tobytes())
+        _finish(f, sync)
 
 
 def sync(prefix: str) -> None:

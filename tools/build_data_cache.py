@@ -1,0 +1,71 @@
+"""Build a training stage's dataset indices ahead of time, into its shared data cache.
+
+    python tools/build_data_cache.py --recipe recipes/stem_1b_pretrain.yaml --ranks 32 \\
+        [--workers 16] [section.field=value ...]
+
+Run it on a CPU node before the stage's first job (the stage's sbatch runs it as its first
+step too: nothing to do when the cache is there). Every run of the same data, split, seed,
+sequence length and batch then starts without building anything: the dense and STEM runs
+of a stage, every requeue. Prefixes are indexed in `--workers` processes, with a line per
+prefix; a killed build resumes where it stopped. `--ranks` is the run's number of GPUs
+(its validation batches depend on it). docs/data.md, "At scale".
+"""
+
+import argparse
+import os
+import sys
+import time
+
+from megatron_stem.config import load_recipe
+from megatron_stem.errors import UserError, cli
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", required=True, help="the stage's training recipe")
+    ap.add_argument("--ranks", type=int, required=True,
+                    help="the run's number of ranks (nodes x GPUs per node)")
+    ap.add_argument("--workers", type=int, default=os.cpu_count(),
+                    help="processes indexing prefixes in parallel (default: every CPU)")
+    ap.add_argument("overrides", nargs="*", help="recipe overrides section.field=value")
+    return ap.parse_args(argv)
+
+
+def cache_bytes(folder: str) -> int:
+    return sum(e.stat().st_size for e in os.scandir(folder) if e.is_file())
+
+
+@cli
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    recipe = load_recipe(args.recipe, args.overrides)
+    tp = recipe.parallel.tensor_parallel
+    if args.ranks < 1 or args.ranks % tp:
+        raise UserError(f"--ranks: {args.ranks} is not a positive multiple of "
+                        f"parallel.tensor_parallel ({tp})")
+    if args.workers < 1:
+        raise UserError(f"--workers: must be >= 1, got {args.workers}")
+    from megatron_stem.train import load_tokenizer
+    from megatron_stem.training import datasets
+    from megatron_stem.training.data import Samples, plans
+
+    start = time.perf_counter()
+    run_plans = list(plans(recipe, load_tokenizer(recipe),
+                           Samples.of(recipe, args.ranks // tp)).values())
+    cache = run_plans[0].config.path_to_cache
+    missing = [p for p in run_plans if not p.ready()]
+    prefixes = sum(len(p.prefixes) for p in run_plans)
+    if not missing:
+        print(f"up to date: {cache} holds every index of the {prefixes} prefixes")
+        return 0
+    print(f"building into {cache}: {sum(len(p.prefixes) for p in missing)} prefixes, "
+          f"~{sum(p.estimated_build_seconds() for p in missing) / 60:.1f} min on one core",
+          flush=True)
+    datasets.build(missing, args.workers, progress=lambda line: print(line, flush=True))
+    print(f"done in {time.perf_counter() - start:.1f} s: {cache} holds "
+          f"{cache_bytes(cache) / 1e9:.2f} GB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
