@@ -386,3 +386,20 @@ def test_the_readme_memory_per_gpu_at_32k_is_the_planners():
     dense_gb, stem_gb = plan(PLAN_1B_LONG).gpu_memory_gb
     quote = f"`stem_1b_long`: {stem_gb} GB of an H200's 141, dense {dense_gb} GB"
     assert quote in prose("README.md"), f"README: the planner now says `{quote}`"
+
+
+def heading_anchors(doc: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings: lower case, punctuation dropped."""
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", doc.read_text(), re.M)}
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_relative_links_resolve_with_their_anchors(doc):
+    source = ROOT / doc
+    for link in re.findall(r"\]\(([^)\s:]+)\)", source.read_text()):
+        path, _, anchor = link.partition("#")
+        target = (source.parent / path) if path else source
+        assert target.exists(), f"{doc}: {link} links to a missing file"
+        if anchor and target.suffix == ".md":
+            assert anchor in heading_anchors(target), f"{doc}: {link}: no such heading"
