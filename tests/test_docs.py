@@ -403,3 +403,16 @@ def test_relative_links_resolve_with_their_anchors(doc):
         assert target.exists(), f"{doc}: {link} links to a missing file"
         if anchor and target.suffix == ".md":
             assert anchor in heading_anchors(target), f"{doc}: {link}: no such heading"
+
+
+def test_the_readme_quality_table_is_docs_quality_md():
+    """The README's final validation losses are bench/quality.py's, as docs/quality.md has them."""
+    measured = {(size, model): loss for size, model, loss in re.findall(
+        r"^\| (\d+x\d+) \| (dense|STEM [\w/]+) \|.*?\| ([\d.]+) \| [+-][\d.]+ \| \d+ \|$",
+        (ROOT / "docs/quality.md").read_text(), re.M)}  # (size, model) -> final valid loss
+    table = re.search(r"^\| size \| (dense.*?) \|\n\|[-:| ]+\|\n((?:\|.*\|\n)+)",
+                      (ROOT / "README.md").read_text(), re.M)
+    models = table[1].split(" | ")
+    quoted = {(row[0], model): loss for line in table[2].splitlines()
+              for row in [line.strip("| ").split(" | ")] for model, loss in zip(models, row[1:])}
+    assert quoted and quoted == measured, f"README: docs/quality.md has {measured}"
