@@ -7,7 +7,10 @@ here without running it: the program it names exists, its own argument parser ac
 arguments (the real `main` of each tool, stopped right after parsing), recipes load with
 the overrides given, and the environment variables set are ones the script reads. The
 README is also read as one script: every path a command reads must be in the checkout or
-written by a command before it, so its walk-through uses the recipes' own paths.
+written by a command before it, so its walk-through uses the recipes' own paths. Figures
+quoted in two places agree with their source: the step planner's predicted 1B step and
+memory (its output), the CPU quality comparison (docs/quality.md). Relative links resolve,
+anchors included.
 """
 
 import argparse
