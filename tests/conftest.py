@@ -328,7 +328,7 @@ def run_lm_eval_cli(export: Path, tasks: Path, names: list[str], tmp: Path,
 
 # --- the order the files run in ---
 
-# The slowest files, slowest first (their test time under `-n 2`, README "Tests"). The
+# The slowest files, slowest first (their test time under `-n 2`, docs/development.md). The
 # suite runs on two xdist workers, a file at a time each, in this order (pyproject.toml:
 # `--dist loadfile --no-loadscope-reorder`): a worker takes the next file when it is free,
 # so a long file left to the end would run alone on one core while the other waits. Files

@@ -7,7 +7,10 @@ here without running it: the program it names exists, its own argument parser ac
 arguments (the real `main` of each tool, stopped right after parsing), recipes load with
 the overrides given, and the environment variables set are ones the script reads. The
 README is also read as one script: every path a command reads must be in the checkout or
-written by a command before it, so its walk-through uses the recipes' own paths.
+written by a command before it, so its walk-through uses the recipes' own paths. Figures
+quoted in two places agree with their source: the step planner's predicted 1B step and
+memory (its output), the CPU quality comparison (docs/quality.md). Relative links resolve,
+anchors included.
 """
 
 import argparse
@@ -317,3 +320,102 @@ def test_readme_links_resolve_and_list_every_doc():
     missing = {link for link in links if not (ROOT / link).exists()}
     assert not missing, f"README links to missing files: {missing}"
     assert set(DOCS[1:]) <= links, f"not in the README's table: {set(DOCS[1:]) - links}"
+
+
+# --- the step planner's figures, where the docs quote them -------------------------------
+
+PLAN_1B = ("--recipe", "recipes/stem_1b.yaml", "--baseline", "recipes/dense_1b.yaml",
+           "--nodes", "4", "--gpus-per-node", "8", "--hardware", "h200")
+PLAN_1B_LONG = ("--recipe", "recipes/stem_1b_long.yaml", "--baseline",
+                "recipes/dense_1b_long.yaml", *PLAN_1B[4:])
+OPTION = r"\w+/\w+/\w+/\w+/\w+"
+
+
+@functools.cache
+def planner_output(argv: tuple[str, ...]) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert script_main("tools/plan_step.py")(list(argv)) == 0
+    return out.getvalue()
+
+
+@dataclass
+class Plan:
+    """What the docs quote of one planner run, formatted as they quote it."""
+    dense: tuple[str, str]                      # step s, MFU
+    options: dict[str, tuple[str, str, str]]    # option -> step s, x dense, MFU
+    recipe_option: str
+    gpu_memory_gb: list[int]                    # dense, then STEM as configured
+
+
+def plan(argv: tuple[str, ...]) -> Plan:
+    text = planner_output(argv)
+    dense = re.search(r"^  step +([\d.]+) +MFU ([\d.]+%)$", text, re.M)
+    options = {"/".join(m.groups()[:5]): (f"{float(m[6]):.3f}", m[7], m[8]) for m in re.finditer(
+        r"^  [* ][> ](\w+) +(\w+) +(\w+) +(\w+) +(\w+) +([\d.]+) +([\d.]+) +([\d.]+%)",
+        text, re.M)}
+    memory = [round(float(gb)) for gb in re.findall(r"^  on the GPU +([\d.]+) of", text, re.M)]
+    return Plan((f"{float(dense[1]):.3f}", dense[2]), options,
+                re.search(rf"^choice: recipe = ({OPTION})$", text, re.M)[1], memory)
+
+
+def prose(doc: str) -> str:
+    return " ".join((ROOT / doc).read_text().split())
+
+
+def test_the_predicted_1b_step_quoted_in_the_readme_and_tables_md_is_the_planners():
+    p = plan(PLAN_1B)
+    cpu = p.options[p.recipe_option]
+    gpu = p.options[p.recipe_option.rsplit("/", 1)[0] + "/accelerator"]
+    quote = (f"dense {p.dense[0]} s, STEM {cpu[0]} s ({cpu[1]} x dense) with the tables' "
+             f"optimizer state in CPU memory, {gpu[0]} s ({gpu[1]} x) on the GPUs")
+    for doc in ("README.md", "docs/tables.md"):
+        assert quote in prose(doc), f"{doc}: the planner now says `{quote}`"
+
+
+def test_tables_md_option_table_is_the_planners_ranking():
+    p = plan(PLAN_1B)
+    rows = re.findall(rf"^\|[^|\n]*`({OPTION})`[^|\n]*\| ([\d.]+) \| \**([\d.]+)\** \| ([\d.]+%) \|$",
+                      (ROOT / "docs/tables.md").read_text(), re.M)
+    assert len(rows) >= 4, "docs/tables.md: no table of options against the planner's ranking"
+    for option, *figures in rows:
+        assert tuple(figures) == p.options[option], f"docs/tables.md: {option} is {p.options[option]}"
+    dense = re.search(r"^\| dense baseline \| ([\d.]+) \| 1 \| ([\d.]+%) \|$",
+                      (ROOT / "docs/tables.md").read_text(), re.M)
+    assert dense and dense.groups() == p.dense, f"docs/tables.md: dense is {p.dense}"
+
+
+def test_the_readme_memory_per_gpu_at_32k_is_the_planners():
+    dense_gb, stem_gb = plan(PLAN_1B_LONG).gpu_memory_gb
+    quote = f"`stem_1b_long`: {stem_gb} GB of an H200's 141, dense {dense_gb} GB"
+    assert quote in prose("README.md"), f"README: the planner now says `{quote}`"
+
+
+def heading_anchors(doc: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings: lower case, punctuation dropped."""
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", doc.read_text(), re.M)}
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_relative_links_resolve_with_their_anchors(doc):
+    source = ROOT / doc
+    for link in re.findall(r"\]\(([^)\s:]+)\)", source.read_text()):
+        path, _, anchor = link.partition("#")
+        target = (source.parent / path) if path else source
+        assert target.exists(), f"{doc}: {link} links to a missing file"
+        if anchor and target.suffix == ".md":
+            assert anchor in heading_anchors(target), f"{doc}: {link}: no such heading"
+
+
+def test_the_readme_quality_table_is_docs_quality_md():
+    """The README's final validation losses are bench/quality.py's, as docs/quality.md has them."""
+    measured = {(size, model): loss for size, model, loss in re.findall(
+        r"^\| (\d+x\d+) \| (dense|STEM [\w/]+) \|.*?\| ([\d.]+) \| [+-][\d.]+ \| \d+ \|$",
+        (ROOT / "docs/quality.md").read_text(), re.M)}  # (size, model) -> final valid loss
+    table = re.search(r"^\| size \| (dense.*?) \|\n\|[-:| ]+\|\n((?:\|.*\|\n)+)",
+                      (ROOT / "README.md").read_text(), re.M)
+    models = table[1].split(" | ")
+    quoted = {(row[0], model): loss for line in table[2].splitlines()
+              for row in [line.strip("| ").split(" | ")] for model, loss in zip(models, row[1:])}
+    assert quoted and quoted == measured, f"README: docs/quality.md has {measured}"
