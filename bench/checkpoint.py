@@ -1,6 +1,7 @@
 """Checkpoint save and load rates on this machine, and what a 1B save takes from them.
 
     python bench/checkpoint.py [--size-mb 1024] [--dir DIR] [--dp 32] [--ranks-per-node 8]
+                               [--verify-gb 4.1]
 
 Measures one process writing and reading a megatron dist checkpoint (torch_dist, the
 training's save strategy, fsync included; the page cache is dropped for the files before
@@ -16,6 +17,11 @@ parallel `--dp`, for three layouts of who writes what:
 * parallel, sharded tables     `tables.partition: sharded` (the default): each rank
                                writes the table state rows it owns (1/DP), the weights
                                (tables included) and dense states balanced as above.
+
+Then times the checksums (megatron_stem/checksums.py) over one rank's share of a 1B
+checkpoint (`--verify-gb`, 4.1 GB at DP32: a synthetic file): as a save computes them,
+right after writing (the file still in the page cache), and as a resume or
+tools/verify_checkpoint.py does, from storage (page cache dropped).
 
 A node's ranks write at once: the node time assumes they share this process's rate (a
 parallel filesystem usually gives a node more; scale by your storage's per-node rate).
@@ -34,6 +40,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 
 from megatron_stem.checkpoint import parallel_save_strategy
+from megatron_stem.checksums import digest
 from megatron_stem.config import ParallelConfig, load_recipe
 from megatron_stem.parallel import destroy_distributed, init_distributed
 
@@ -74,6 +81,29 @@ def measure(size_mb: int, folder: Path) -> tuple[float, float]:
     return gb / save_s, gb / load_s
 
 
+def measure_checksum(gb: float, folder: Path) -> tuple[float, float, float]:
+    """(write s, checksum s from the page cache, checksum s from storage) of a `gb` file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "share.bin"
+    block = os.urandom(64 << 20)
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(int(gb * 1e9) // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    write_s = time.perf_counter() - start
+    start = time.perf_counter()
+    digest(path)
+    warm_s = time.perf_counter() - start
+    _drop_page_cache(folder)
+    start = time.perf_counter()
+    digest(path)
+    cold_s = time.perf_counter() - start
+    path.unlink()
+    return write_s, warm_s, cold_s
+
+
 def tensors_1b(recipe) -> tuple[list[int], list[int], list[int]]:
     """Bytes of every saved tensor of the 1B model: (dense weights and states, table
     weights, table states). Each parameter has its weight (training dtype) and three fp32
@@ -109,15 +139,26 @@ def main():
                     "in the current directory: put it on the storage checkpoints go to)")
     ap.add_argument("--dp", type=int, default=32, help="data-parallel ranks (1B: 4 x 8)")
     ap.add_argument("--ranks-per-node", type=int, default=8)
+    ap.add_argument("--verify-gb", type=float, default=4.1,
+                    help="one rank's share of the checksums to time (0: skip)")
     args = ap.parse_args()
     init_distributed(ParallelConfig(), seed=0)
+    folder = Path(args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_", dir="."))
     try:
-        folder = Path(args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_", dir="."))
         save_rate, load_rate = measure(args.size_mb, folder / "ckpt")
+        checksum = measure_checksum(args.verify_gb, folder) if args.verify_gb else None
     finally:
         destroy_distributed()
+        if not args.dir:
+            shutil.rmtree(folder, ignore_errors=True)
     print(f"{args.size_mb} MB, one process: save {save_rate:.2f} GB/s, load {load_rate:.2f} "
           "GB/s (shared machine: noisy)")
+    if checksum is not None:
+        write_s, warm_s, cold_s = checksum
+        gb = args.verify_gb
+        print(f"checksums of {gb:.1f} GB (one rank's share): {warm_s:.1f} s after writing "
+              f"({gb / warm_s:.1f} GB/s; the write took {write_s:.1f} s), {cold_s:.1f} s from "
+              f"storage ({gb / cold_s:.2f} GB/s)")
     dense, table_weights, table_states = tensors_1b(
         load_recipe(ROOT / "recipes" / "stem_1b.yaml"))
     tables = table_weights + table_states

@@ -8,6 +8,8 @@ saved through the same Writer as training) the way a full disk, a killed copy or
 """
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -17,6 +19,7 @@ from megatron_stem.errors import UserError
 from megatron_stem.model import build_model
 from megatron_stem.training.checkpointing import resume_point
 from megatron_stem.training.state import save_train_state
+from conftest import ROOT, subprocess_env, tool
 from workers.common import tiny_model
 
 
@@ -174,3 +177,23 @@ def test_a_damaged_train_state_is_one_line(world1, tmp_path):
     _flip_bytes(state, at=100)  # in the pickled dictionary
     with pytest.raises(UserError, match=rf"^{state}: damaged \(\w+Error: "):
         load_train_state(state.parent)
+
+
+def test_to_hf_and_verify_refuse_same_size_damage_in_one_line(saved, tmp_path, capsys):
+    """The export tool read a flipped table shard and wrote wrong weights; now it and
+    `verify_checkpoint.py` refuse it, naming the file."""
+    save_dir, _ = saved
+    shard = save_dir / "iter_0000002" / "model" / "__0_0.distcp"
+    assert tool("verify_checkpoint")(["--checkpoint", str(save_dir)]) == 0
+    assert capsys.readouterr().out.startswith(f"ok: {save_dir / 'iter_0000002'} (")
+    _flip_bytes(shard)
+    proc = subprocess.run([sys.executable, str(ROOT / "tools/to_hf.py"), "--checkpoint",
+                           str(save_dir / "iter_0000002"), "--output", str(tmp_path / "hf")],
+                          capture_output=True, text=True, timeout=300,
+                          env=subprocess_env(PYTHONWARNINGS="ignore"))
+    assert (proc.returncode, proc.stderr) == (2, f"error: {shard}: {CHANGED}\n")
+    assert not (tmp_path / "hf").exists()
+    assert tool("verify_checkpoint")(["--checkpoint", str(save_dir), "--all"]) == 2
+    first, second = capsys.readouterr().out.splitlines()
+    assert first.startswith(f"ok: {save_dir / 'iter_0000001'} (")
+    assert second == f"damaged: {shard}: {CHANGED}"
