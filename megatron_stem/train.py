@@ -178,8 +178,8 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     if finished is not None:
         return {"losses": [], "valid": [], "valid_sets": {}, "downstream": [],
                 "step": finished, "preempted": False}
-    check_training_data(recipe.data)
-    check_validation_sets(recipe.data)
+    check_training_data(recipe.data, recipe.model.vocab_size)
+    check_validation_sets(recipe.data, recipe.model.vocab_size)
     check_wandb_installed(recipe)
     tokenizer = tokenizer or _load_tokenizer(recipe)
     stop_signal = StopSignal()  # before anything slow (see there)

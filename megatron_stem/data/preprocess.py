@@ -38,6 +38,7 @@ from typing import Literal, Optional, Sequence, TextIO
 
 import numpy as np
 
+from megatron_stem.data.checks import max_token_id
 from megatron_stem.data.encoders import (BACKENDS, GigatokenEncoder, ReferenceEncoder,
                                          first_difference, load_encoder)
 from megatron_stem.data.indexed import bin_path, idx_path, merge, sync, token_dtype
@@ -464,7 +465,7 @@ class _Job:
         totals = _Totals(self.keys)
         for done in dones:
             totals.add_chunk(done)
-        output_bytes = {}
+        output_bytes, max_ids = {}, {}
         for key in self.keys:
             parts = [self._part_prefixes(self._shard_dir(s), i)[key]
                      for s, d in zip(self.shards, dones) for i in range(d["chunks"])]
@@ -476,6 +477,7 @@ class _Job:
             os.replace(idx_path(tmp), idx_path(out))
             output_bytes[key] = {"bin": os.path.getsize(bin_path(out)),
                                  "idx": os.path.getsize(idx_path(out))}
+            max_ids[key] = self._checked_max_id(out)
         first_errors = self._write_errors_log(dones)
         stats = {"outputs": {k: cfg.output(k) for k in self.keys},
                  **totals.as_dict(), "tokens_by_key": totals.as_dict()["tokens"],
@@ -487,12 +489,22 @@ class _Job:
                  "this_run": self._run_dict(seconds),
                  "tokenizer": self.tokenizer.unique_identifiers, "dtype": self.settings["dtype"],
                  "json_keys": self.keys, "append_eod": cfg.append_eod,
-                 "identity": self.identity, "output_bytes": output_bytes}
+                 "identity": self.identity, "output_bytes": output_bytes,
+                 "max_token_id": max_ids}
         stats["tokens"] = sum(stats["tokens_by_key"].values())
         _atomic_json(cfg.stats_path, stats)
         if not cfg.keep_parts:
             shutil.rmtree(cfg.parts_dir, ignore_errors=True)
         return stats
+
+    def _checked_max_id(self, prefix: str) -> int:
+        """Every id of the output read once (the full check the trainer only samples:
+        data/checks.py): below the tokenizer's vocabulary, or the output is refused."""
+        top = max_token_id(prefix)
+        if top >= self.tokenizer.vocab_size:
+            raise UserError(f"token id {top} in {bin_path(prefix)} is >= the tokenizer's "
+                            f"vocab_size {self.tokenizer.vocab_size}")
+        return top
 
     def _write_errors_log(self, dones: list) -> list:
         """Every skipped record, in input order, one `file:line: reason: detail` a line;

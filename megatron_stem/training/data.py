@@ -13,32 +13,41 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from megatron_stem.config import DataConfig, Recipe
+from megatron_stem.data.checks import check_token_files
 from megatron_stem.errors import UserError
 from megatron_stem.model.documents import document_boundaries
 
 
-def check_prefixes(prefixes: list[str], field: Callable[[int], str]) -> None:
-    """Every token file of `prefixes` exists; `field(i)` names the recipe field of the i-th."""
+def check_prefixes(prefixes: list[str], field: Callable[[int], str],
+                   vocab_size: int | None = None) -> None:
+    """Every token file of `prefixes` exists and its pair is whole, with ids below
+    `vocab_size` where sampled (`data/checks.py`); `field(i)` names the recipe field of the
+    i-th."""
     for i, prefix in enumerate(prefixes):
         missing = [ext for ext in (".bin", ".idx") if not Path(prefix + ext).is_file()]
         if missing:
             raise UserError(f"{field(i)}: {prefix}{missing[0]} not found "
                             "(give the path without .bin/.idx, as written by preprocess_data.py)")
+        try:
+            check_token_files(prefix, vocab_size)
+        except UserError as e:
+            raise UserError(f"{field(i)}: {e}") from None
 
 
-def check_training_data(data: DataConfig) -> None:
-    """Every token file the training data names exists (the error names the recipe field)."""
+def check_training_data(data: DataConfig, vocab_size: int | None = None) -> None:
+    """Every token file the training data names exists, whole (the error names the recipe
+    field); with `vocab_size`, a sample of its ids too."""
     prefixes, _ = data.training_blend()
     if not prefixes:
         raise UserError("data.prefixes: no training data given (a list of .bin/.idx prefixes, "
                         "or data.blend: a data recipe)")
-    check_prefixes(prefixes, data.field_of)
+    check_prefixes(prefixes, data.field_of, vocab_size)
 
 
-def check_validation_sets(data: DataConfig) -> None:
+def check_validation_sets(data: DataConfig, vocab_size: int | None = None) -> None:
     """Every named validation set's files, before anything starts."""
     for name, prefixes in data.validation_sets.items():
-        check_prefixes(prefixes, lambda i, name=name: f"data.validation.{name}")
+        check_prefixes(prefixes, lambda i, name=name: f"data.validation.{name}", vocab_size)
 
 
 def check_documents(data: DataConfig, tokenizer) -> None:
