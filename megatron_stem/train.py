@@ -12,7 +12,13 @@ This module is the loop (`run`); what surrounds it has rooms of its own: save an
 downstream evaluation `evaluation/in_loop.py`.
 """
 
+# ruff: noqa: E402  (the imports come after the stop handler's installation)
 from __future__ import annotations
+
+from megatron_stem.training import stop
+
+if __name__ == "__main__":  # a rank: a stop signal during the slow imports below is caught
+    stop.catch_stop_signals()
 
 import argparse
 import os
@@ -167,6 +173,7 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     step, "preempted": bool}. `on_step(step)` is called after every step (for tools and
     tests: fault injection)."""
     train, opt = recipe.train, recipe.optimizer
+    stop_signal = StopSignal()  # first (a rank started as the trainer caught it at its start)
     check_gpus_visible()
     if train.deterministic:
         use_deterministic_kernels()
@@ -182,7 +189,6 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     check_validation_sets(recipe.data, recipe.model.vocab_size)
     check_wandb_installed(recipe)
     tokenizer = tokenizer or _load_tokenizer(recipe)
-    stop_signal = StopSignal()  # before anything slow (see there)
     init_distributed(recipe.parallel, seed=train.seed)
     tables = None
     try:
