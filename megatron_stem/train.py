@@ -15,14 +15,15 @@ downstream evaluation `evaluation/in_loop.py`.
 # ruff: noqa: E402  (the imports come after the stop handler's installation)
 from __future__ import annotations
 
-from megatron_stem.training import stop
+from megatron_stem import lifetime
+from megatron_stem.training.stop import catch_stop_signals, end_with_launcher
 
 if __name__ == "__main__":  # a rank: a stop signal during the slow imports below is caught
-    stop.catch_stop_signals()
+    catch_stop_signals()
+    end_with_launcher()
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -285,4 +286,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    lifetime.exit_soon(main())  # a thread a library left running keeps no finished rank

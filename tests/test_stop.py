@@ -87,3 +87,39 @@ def _children(pid: int, count: int, timeout: float = 60) -> list:
             return children[:count]
         time.sleep(0.05)
     raise AssertionError(f"process {pid} started fewer than {count} children")
+
+
+def test_ranks_end_when_their_torchrun_agent_is_killed(toy_data, hf_tokenizer, tmp_path):
+    """The real `torchrun -m megatron_stem.train`, its agent killed (SIGKILL: it cannot
+    stop its ranks): before, the ranks went on unsupervised."""
+    import psutil
+
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         f"--master_port={free_port()}", "-m", "megatron_stem.train",
+         "--recipe", str(ROOT / "recipes" / "tiny_cpu.yaml"), f"data.prefixes=[{toy_data}]",
+         "data.tokenizer_type=huggingface", f"data.tokenizer_model={hf_tokenizer}",
+         f"train.save_dir={tmp_path / 'ckpt'}"],
+        env=subprocess_env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"), cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ranks = _children(agent.pid, 2)
+    time.sleep(1.0)
+    agent.kill()
+    gone, alive = psutil.wait_procs(ranks, timeout=10)
+    for rank in alive:
+        rank.kill()
+    assert alive == []
+    said = agent.communicate(timeout=30)[1]  # the ranks' stderr, once they closed it too
+    for rank in (0, 1):
+        assert f"rank {rank}: its launcher (pid {agent.pid}) is gone; exiting" in said
+
+
+def test_a_thread_left_running_does_not_keep_a_finished_process_alive():
+    code = ("import threading, time; from megatron_stem import lifetime; "
+            "threading.Thread(target=time.sleep, args=(600,)).start(); "
+            "print('done', flush=True); lifetime.exit_soon(3, grace_s=1)")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=subprocess_env(), cwd=ROOT)
+    assert (proc.returncode, proc.stdout) == (3, "done\n")
+    assert time.monotonic() - start < 30

@@ -22,6 +22,8 @@ import signal
 import socket
 from pathlib import Path
 
+from megatron_stem import lifetime
+
 EXIT_REQUEUE = 99  # stopped by a signal after saving: the job should be requeued
 _STOP, _REQUEUE = 1.0, 2.0  # what a rank was asked for; the ranks agree on the most
 _asked = 0.0  # the most this process was asked for, by any signal caught so far
@@ -40,13 +42,22 @@ def catch_stop_signals() -> None:
     signal.signal(signal.SIGTERM, _set)
 
 
+def end_with_launcher() -> None:
+    """In a rank torchrun started: end it when the launcher dies (`lifetime`). A run
+    started from a shell is left alone: under nohup it outlives its shell, as asked."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        lifetime.exit_with_parent(f"rank {os.environ.get('RANK', '?')}")
+
+
 class StopSignal:
     """The stop flag (`catch_stop_signals`, also of the signals caught before it was made);
-    ranks agree on it once per step."""
+    ranks agree on it once per step. A rank also ends with its launcher
+    (`end_with_launcher`)."""
 
     def __init__(self):
         self.requeue = False  # set by `requested` when the stop was a SIGUSR1
         catch_stop_signals()
+        end_with_launcher()
 
     def requested(self) -> bool:
         """Whether any rank got a stop signal (a collective: every rank calls it)."""
