@@ -24,6 +24,7 @@ which it keeps, is the trainer's policy: `training/checkpointing.py`.
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import re
@@ -220,8 +221,15 @@ class Writer:
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
-            return False  # leave the .tmp folder; the last good checkpoint is untouched
+        if exc_type is not None:  # the .tmp folder is left; the last good one is untouched
+            # (torch's CheckpointException, what a failed write raises, is a BaseException)
+            if not isinstance(exc, (KeyboardInterrupt, SystemExit)) \
+                    and storage_full(self.save_dir, exc):
+                kept = latest(self.save_dir)
+                raise UserError(f"no space left on device while saving {self.final}; "
+                                + (f"{kept} is intact" if kept else
+                                   f"no earlier checkpoint in {self.save_dir}")) from None
+            return False
         _barrier()  # every rank has finished writing its parts
         entries = checksums.record(self.tmp, exclude=RECIPE)  # every rank hashes a share
         if _is_writer():
@@ -232,6 +240,23 @@ class Writer:
             checksums.fsync_folder(self.save_dir)  # the rename, before `latest` names it
             point_latest(self.save_dir, self.final)
         _barrier()
+        return False
+
+
+FULL_BYTES = 64 << 20  # less free space than this after a failed write: the disk is full
+
+
+def storage_full(folder: Path, error: BaseException) -> bool:
+    """Whether `error`, raised while writing under `folder`, is a full disk (or quota):
+    its errno when it has one, else the free space left (megatron's and torch's writers
+    report it as `unexpected pos 704 vs 598` or `Worker failure`, with no errno)."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        error = error.__cause__ or error.__context__
+    try:
+        return shutil.disk_usage(folder).free < FULL_BYTES
+    except OSError:
         return False
 
 
