@@ -24,7 +24,6 @@ which it keeps, is the trainer's policy: `training/checkpointing.py`.
 
 from __future__ import annotations
 
-import errno
 import os
 import queue
 import re
@@ -42,7 +41,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 
-from megatron_stem import checksums
+from megatron_stem import checksums, storage
 from megatron_stem.config import Recipe, from_dict, to_dict, upgrade_saved_recipe
 from megatron_stem.errors import UserError
 
@@ -224,7 +223,7 @@ class Writer:
         if exc_type is not None:  # the .tmp folder is left; the last good one is untouched
             # (torch's CheckpointException, what a failed write raises, is a BaseException)
             if not isinstance(exc, (KeyboardInterrupt, SystemExit)) \
-                    and storage_full(self.save_dir, exc):
+                    and storage.full(self.save_dir, exc):
                 kept = latest(self.save_dir)
                 raise UserError(f"no space left on device while saving {self.final}; "
                                 + (f"{kept} is intact" if kept else
@@ -237,32 +236,15 @@ class Writer:
             if self.final.exists():
                 shutil.rmtree(self.final)
             os.replace(self.tmp, self.final)
-            checksums.fsync_folder(self.save_dir)  # the rename, before `latest` names it
+            storage.fsync_folder(self.save_dir)  # the rename, before `latest` names it
             point_latest(self.save_dir, self.final)
         _barrier()
         return False
 
 
-FULL_BYTES = 64 << 20  # less free space than this after a failed write: the disk is full
-
-
-def storage_full(folder: Path, error: BaseException) -> bool:
-    """Whether `error`, raised while writing under `folder`, is a full disk (or quota):
-    its errno when it has one, else the free space left (megatron's and torch's writers
-    report it as `unexpected pos 704 vs 598` or `Worker failure`, with no errno)."""
-    while error is not None:
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        error = error.__cause__ or error.__context__
-    try:
-        return shutil.disk_usage(folder).free < FULL_BYTES
-    except OSError:
-        return False
-
-
 def point_latest(save_dir: Path, ckpt: Path) -> None:
     """Make `ckpt` the checkpoint `latest` names, durably (the rename of `ckpt` too)."""
-    checksums.write_durably(save_dir / LATEST, ckpt.name + "\n")
+    storage.write_durably(save_dir / LATEST, ckpt.name + "\n")
 
 
 def save_model(model, folder: Path) -> None:

@@ -19,7 +19,6 @@ far as they go.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch.distributed as dist
 import xxhash
 
 from megatron_stem.errors import UserError
+from megatron_stem.storage import write_durably
 
 ALGORITHM = "xxh3_64"
 _CHUNK = 16 << 20
@@ -123,24 +123,3 @@ def check_contents(folder: Path, entries: dict[str, dict]) -> None:
 def agreed(problem: str | None) -> str | None:
     """The first rank's problem that is not None, on every rank (a collective)."""
     return next((p for p in _gathered(problem) if p is not None), None)
-
-
-def write_durably(path: Path, text: str) -> None:
-    """Replace `path` with `text` so that a crash leaves the old file or the new one, whole:
-    a temporary file, fsynced, renamed over it, then the folder fsynced (the rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_folder(path.parent)
-
-
-def fsync_folder(folder: Path) -> None:
-    """Make the folder's entries (a rename, a new file) durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -55,3 +55,30 @@ def test_a_save_on_a_full_disk_is_one_line_and_keeps_the_previous(small_disk, to
     assert ours.count("error: no space left") == 2 and "Traceback" not in ours, ours
     checkpoint.verify(first)  # checksums included
     assert (save_dir / "latest").read_text() == "iter_0000001\n"
+
+
+def test_preprocessing_on_a_full_disk_is_one_line_and_resumes(small_disk, sp_model, tmp_path):
+    """Before: `OSError: [Errno 28] No space left on device` as a traceback."""
+    def preprocess(prefix):
+        return subprocess.run(
+            [sys.executable, "tools/preprocess_data.py", "--input",
+             "data_corpus/gcide.jsonl.gz", "--output-prefix", str(prefix),
+             "--tokenizer-type", "sentencepiece", "--tokenizer-model", sp_model,
+             "--workers", "2"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+            env=subprocess_env())
+
+    disk = small_disk(2)
+    proc = preprocess(disk / "out")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == (
+        f"error: no space left on device writing {disk}; the finished parts in "
+        f"{disk / 'out.parts'} are kept: free space and rerun the same command to resume")
+    assert "Traceback" not in proc.stderr
+    subprocess.run(["mount", "-o", "remount,size=40m", str(disk)], check=True)
+    resumed = preprocess(disk / "out")
+    assert resumed.returncode == 0, resumed.stderr
+    assert re.search(r"reused [1-9]\d* chunk", resumed.stdout), resumed.stdout
+    assert preprocess(tmp_path / "ref").returncode == 0
+    for ext in (".bin", ".idx"):
+        assert (disk / f"out_text_document{ext}").read_bytes() == \
+            (tmp_path / f"ref_text_document{ext}").read_bytes()

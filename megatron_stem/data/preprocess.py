@@ -38,6 +38,7 @@ from typing import Literal, Optional, Sequence, TextIO
 
 import numpy as np
 
+from megatron_stem import storage
 from megatron_stem.data.checks import max_token_id
 from megatron_stem.data.encoders import (BACKENDS, GigatokenEncoder, ReferenceEncoder,
                                          first_difference, load_encoder)
@@ -136,7 +137,15 @@ def preprocess(cfg: PreprocessConfig, log: Optional[TextIO] = sys.stderr) -> dic
     `if __name__ == "__main__":` guard.
     """
     cfg.validate()
-    return _Job(cfg, log).run()
+    try:
+        return _Job(cfg, log).run()
+    except OSError as e:
+        folder = os.path.dirname(os.path.abspath(cfg.output_prefix))
+        if not storage.full(folder, e):
+            raise
+        raise UserError(f"no space left on device writing {e.filename or folder}; the finished "
+                        f"parts in {cfg.parts_dir} are kept: free space and rerun the same "
+                        "command to resume") from None
 
 
 @dataclass
