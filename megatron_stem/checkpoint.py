@@ -153,8 +153,11 @@ def verify(ckpt: Path, recipe=None, contents: bool = True) -> None:
     """Refuse, in one line naming the file, a checkpoint that is not whole: no COMPLETE
     marker, a file missing, of another size, or (`contents`) of other contents than when it
     was saved, an unreadable recipe.yaml, or (given `recipe`) one of another model shape.
-    A collective under a process group: the checksums are shared over the ranks
-    (`checksums.check_contents`), and all refuse what any one found."""
+    With `contents`, a collective under a process group: the checksums are shared over
+    the ranks (`checksums.check_contents`), and all refuse what any one found."""
+    if not contents:
+        _check_layout(ckpt, recipe)
+        return
     problem = None
     try:
         entries = _check_layout(ckpt, recipe)
@@ -163,8 +166,7 @@ def verify(ckpt: Path, recipe=None, contents: bool = True) -> None:
     problem = checksums.agreed(problem)
     if problem is not None:
         raise UserError(problem)
-    if contents:
-        checksums.check_contents(ckpt, entries)
+    checksums.check_contents(ckpt, entries)
 
 
 def _check_layout(ckpt: Path, recipe) -> dict[str, dict]:
