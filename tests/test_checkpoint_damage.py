@@ -197,3 +197,21 @@ def test_to_hf_and_verify_refuse_same_size_damage_in_one_line(saved, tmp_path, c
     first, second = capsys.readouterr().out.splitlines()
     assert first.startswith(f"ok: {save_dir / 'iter_0000001'} (")
     assert second == f"damaged: {shard}: {CHANGED}"
+
+
+def test_a_damaged_train_state_is_no_traceback_before_the_run_starts(saved):
+    """The quick look at `latest` before a run starts ("already finished?") read a damaged
+    train state with a UnicodeDecodeError; now it leaves the checkpoint to the resume,
+    which refuses it by its checksum and falls back."""
+    from dataclasses import replace
+
+    from megatron_stem.training.checkpointing import finished_step
+
+    save_dir, recipe = saved
+    recipe = replace(recipe, train=replace(recipe.train, save_dir=str(save_dir), steps=2))
+    assert finished_step(recipe) == 2
+    _flip_bytes(save_dir / "iter_0000002" / "train_state.pt", at=100)
+    assert finished_step(recipe) is None
+    said = []
+    assert resume_point(save_dir, recipe, said.append) == save_dir / "iter_0000001"
+    assert said[0].endswith(f"train_state.pt: {CHANGED}")
