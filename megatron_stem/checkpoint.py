@@ -74,7 +74,10 @@ def resolve(path: str | Path, say: Callable[[str], None] = print) -> Path:
     one: `newest_whole`) or an iter_N folder, checked whole (`verify`)."""
     path = Path(path)
     if (path / LATEST).exists() or iter_folders(path):
-        return newest_whole(path, say=say)
+        found = newest_whole(path, say=say)
+        if found is None:
+            raise UserError(f"{path}: no checkpoint in it (its {LATEST} names none)")
+        return found
     if not path.is_dir():
         raise UserError(f"{path}: no such checkpoint folder")
     verify(path)
@@ -128,16 +131,18 @@ def newest_whole(save_dir: str | Path, recipe=None, say: Callable[[str], None] =
         folders = [named] + [p for p in folders if step_of(p) < step_of(named)]
     elif not folders:
         return None
+    refusals = []
     for ckpt in folders:
         try:
             verify(ckpt, recipe)
         except UserError as e:
             say(f"warning: refusing checkpoint {ckpt.name}: {e}")
+            refusals.append(str(e))
             continue
         if ckpt != named:
             say(f"warning: falling back to {ckpt}, the newest whole checkpoint")
         return ckpt
-    raise NoWholeCheckpoint(f"{save_dir}: no whole checkpoint (see the lines above)")
+    raise NoWholeCheckpoint(f"{save_dir}: no whole checkpoint (the newest: {refusals[0]})")
 
 
 def _from_rank0(value):

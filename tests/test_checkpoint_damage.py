@@ -215,3 +215,18 @@ def test_a_damaged_train_state_is_no_traceback_before_the_run_starts(saved):
     said = []
     assert resume_point(save_dir, recipe, said.append) == save_dir / "iter_0000001"
     assert said[0].endswith(f"train_state.pt: {CHANGED}")
+
+
+def test_a_tool_given_a_save_dir_without_a_whole_checkpoint_says_why(saved, tmp_path):
+    save_dir, _ = saved
+    for step in (1, 2):
+        (save_dir / f"iter_000000{step}" / "COMPLETE").unlink()
+    with pytest.raises(UserError, match=rf"^{save_dir}: no whole checkpoint \(the newest: "
+                                        rf"{save_dir / 'iter_0000002'}: not a complete "):
+        checkpoint.resolve(save_dir, say=lambda line: None)
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / "latest").write_text("iter_0000003\n")
+    with pytest.raises(UserError, match=rf"^{lone}: no checkpoint in it \(its latest names "
+                                        "none\\)"):
+        checkpoint.resolve(lone, say=lambda line: None)
