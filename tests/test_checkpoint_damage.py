@@ -179,6 +179,7 @@ def test_a_damaged_train_state_is_one_line(world1, tmp_path):
         load_train_state(state.parent)
 
 
+@pytest.mark.integration  # tools/to_hf.py as a process
 def test_to_hf_and_verify_refuse_same_size_damage_in_one_line(saved, tmp_path, capsys):
     """The export tool read a flipped table shard and wrote wrong weights; now it and
     `verify_checkpoint.py` refuse it, naming the file."""

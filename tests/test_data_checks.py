@@ -71,6 +71,7 @@ def test_damaged_or_wrong_token_files_are_one_line(tmp_path, damage):
         other=size_text(os.path.getsize(other)) if os.path.exists(other) else None)
 
 
+@pytest.mark.integration  # the trainer's CLI
 def test_the_trainer_refuses_ids_above_the_vocabulary_before_it_starts(tmp_path):
     prefix = write_documents(str(tmp_path / "toy"), 0, lambda rng: np.full(30, 60000),
                              count=50)

@@ -11,6 +11,8 @@ import pytest
 from conftest import ROOT, free_port, subprocess_env
 from megatron_stem import checkpoint
 
+pytestmark = pytest.mark.integration  # torchrun and the preprocessing CLI on a small disk
+
 
 @pytest.fixture
 def small_disk(tmp_path):

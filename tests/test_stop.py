@@ -51,6 +51,7 @@ def test_other_local_ranks_leave_no_marker(world1, handlers, tmp_path, monkeypat
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.integration  # torchrun
 def test_a_stop_in_the_first_second_saves_and_asks_for_the_requeue(toy_data, hf_tokenizer,
                                                                    tmp_path):
     """The real `torchrun -m megatron_stem.train` with 2 ranks, each sent SIGUSR1 a second
@@ -89,6 +90,7 @@ def _children(pid: int, count: int, timeout: float = 60) -> list:
     raise AssertionError(f"process {pid} started fewer than {count} children")
 
 
+@pytest.mark.integration  # torchrun
 def test_ranks_end_when_their_torchrun_agent_is_killed(toy_data, hf_tokenizer, tmp_path):
     """The real `torchrun -m megatron_stem.train`, its agent killed (SIGKILL: it cannot
     stop its ranks): before, the ranks went on unsupervised."""
@@ -114,6 +116,7 @@ def test_ranks_end_when_their_torchrun_agent_is_killed(toy_data, hf_tokenizer, t
         assert f"rank {rank}: its launcher (pid {agent.pid}) is gone; exiting" in said
 
 
+@pytest.mark.integration  # a process of its own
 def test_a_thread_left_running_does_not_keep_a_finished_process_alive():
     code = ("import threading, time; from megatron_stem import lifetime; "
             "threading.Thread(target=time.sleep, args=(600,)).start(); "
