@@ -18,7 +18,9 @@ parallel `--dp`, for three layouts of who writes what:
                                writes the table state rows it owns (1/DP), the weights
                                (tables included) and dense states balanced as above.
 
-Then times the checksums (megatron_stem/checksums.py) over one rank's share of a 1B
+Then compares checksum algorithms on one core over 256 MB in memory (crc32c only where
+the `crc32c` package is installed), and times ours (megatron_stem/checksums.py) over one
+rank's share of a 1B
 checkpoint (`--verify-gb`, 4.1 GB at DP32: a synthetic file): as a save computes them,
 right after writing (the file still in the page cache), and as a resume or
 tools/verify_checkpoint.py does, from storage (page cache dropped).
@@ -79,6 +81,30 @@ def measure(size_mb: int, folder: Path) -> tuple[float, float]:
     shutil.rmtree(folder)
     gb = size_mb * 2**20 / 1e9
     return gb / save_s, gb / load_s
+
+
+def compare_checksums(megabytes: int = 256) -> dict[str, float]:
+    """{algorithm: GB/s} over `megabytes` of random bytes in memory, one core."""
+    import hashlib
+    import zlib
+
+    import xxhash
+
+    algorithms = {"xxh3_64": lambda b: xxhash.xxh3_64(b).digest(),
+                  "xxh64": lambda b: xxhash.xxh64(b).digest(),
+                  "zlib.crc32": zlib.crc32, "sha1": lambda b: hashlib.sha1(b).digest()}
+    try:
+        import crc32c
+        algorithms["crc32c"] = crc32c.crc32c
+    except ImportError:
+        pass
+    data = memoryview(os.urandom(megabytes << 20))
+    rates = {}
+    for name, fn in algorithms.items():
+        start = time.perf_counter()
+        fn(data)
+        rates[name] = len(data) / 1e9 / (time.perf_counter() - start)
+    return rates
 
 
 def measure_checksum(gb: float, folder: Path) -> tuple[float, float, float]:
@@ -153,6 +179,9 @@ def main():
             shutil.rmtree(folder, ignore_errors=True)
     print(f"{args.size_mb} MB, one process: save {save_rate:.2f} GB/s, load {load_rate:.2f} "
           "GB/s (shared machine: noisy)")
+    rates = compare_checksums()
+    print("checksums, one core, in memory: " + ", ".join(
+        f"{name} {rate:.1f} GB/s" for name, rate in sorted(rates.items(), key=lambda x: -x[1])))
     if checksum is not None:
         write_s, warm_s, cold_s = checksum
         gb = args.verify_gb

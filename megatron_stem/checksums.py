@@ -8,8 +8,8 @@ gets its size and an xxh3_64 checksum. xxh3 because it is the fastest of those m
 1.7; `python bench/checkpoint.py` measures it from storage): verifying a checkpoint costs
 about what reading it costs. Sizes alone miss damage that keeps a file's length.
 
-Hashing is shared over the ranks (`record`, `check` are collectives when a process group
-exists): rank r hashes the files it wrote (`__r_*.distcp`), the rest go round-robin, so
+Hashing is shared over the ranks (`record`, `check_contents` are collectives under a process
+group): rank r hashes the files it wrote (`__r_*.distcp`), the rest go round-robin, so
 each rank reads about its own share of a 1B checkpoint (~4 GB at DP32), not all of it.
 An asynchronous writer calls `record` once its files are durable. A marker written before
 checksums were kept holds sizes only (`{name: bytes}`), or nothing: those are checked as

@@ -463,8 +463,10 @@ class OptimizerConfig:
     tables: TableOptimizerConfig = field(default_factory=TableOptimizerConfig)
 
     RANGES: ClassVar[dict[str, Range]] = {
-        "lr": Range(above=0, high=1, why="Adam's step is about lr per weight: above 1 it "
-                    "only diverges"),
+        # Generous: it catches an exponent that lost its minus (4e4 for 4e-4), and leaves
+        # room for runs made to diverge on purpose (tests/test_training_guard.py).
+        "lr": Range(above=0, high=1e3, why="Adam's step is about lr per weight: a "
+                    "learning rate is far below 1"),
         "min_lr_ratio": Range(low=0, high=1, why="a fraction of lr"),
         "warmup_steps": Range(low=0),
         "weight_decay": Range(low=0, high=1, why="AdamW multiplies the weights by 1 - lr x "

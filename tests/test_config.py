@@ -219,8 +219,8 @@ def test_the_long_run_sections_refuse_what_cannot_run(overrides, message):
     ("optimizer.lr=nan", "expected a finite number, got 'nan'"),
     ("optimizer.lr=.inf", "expected a finite number, got inf"),
     ("optimizer.lr=-1e-3", "must be above 0, got -0.001"),
-    ("optimizer.lr=1e30", "must be <= 1, got 1e+30 (Adam's step is about lr "
-                          "per weight: above 1 it only diverges)"),
+    ("optimizer.lr=4e4", "must be <= 1000, got 40000.0 (Adam's step is about lr per "
+                         "weight: a learning rate is far below 1)"),
     ("optimizer.clip_grad=-1", "must be >= 0, got -1.0"),
     ("optimizer.weight_decay=-0.1", "must be >= 0, got -0.1"),
     ("optimizer.min_lr_ratio=1.5", "must be <= 1, got 1.5 (a fraction "
