@@ -1,6 +1,7 @@
 """Checkpoint save and load rates on this machine, and what a 1B save takes from them.
 
     python bench/checkpoint.py [--size-mb 1024] [--dir DIR] [--dp 32] [--ranks-per-node 8]
+                               [--verify-gb 4.1]
 
 Measures one process writing and reading a megatron dist checkpoint (torch_dist, the
 training's save strategy, fsync included; the page cache is dropped for the files before
@@ -18,6 +19,13 @@ parallel `--dp`, for three layouts of who writes what:
 * parallel, sharded tables     `tables.partition: sharded` (the default): each rank
                                writes the table state rows it owns (1/DP), the weights
                                (tables included) and dense states balanced as above.
+
+Then compares checksum algorithms on one core over 256 MB in memory (crc32c only where
+the `crc32c` package is installed), and times ours (megatron_stem/checksums.py) over one
+rank's share of a 1B
+checkpoint (`--verify-gb`, 4.1 GB at DP32: a synthetic file): as a save computes them,
+right after writing (the file still in the page cache), and as a resume or
+tools/verify_checkpoint.py does, from storage (page cache dropped).
 
 A node's ranks write at once: the node time assumes they share this process's rate (a
 parallel filesystem usually gives a node more; scale by your storage's per-node rate).
@@ -37,6 +45,7 @@ from megatron.core.dist_checkpointing import ShardedTensor
 
 from megatron_stem.background_save import BackgroundSave
 from megatron_stem.checkpoint import parallel_save_strategy
+from megatron_stem.checksums import digest
 from megatron_stem.config import ParallelConfig, load_recipe
 from megatron_stem.parallel import destroy_distributed, init_distributed
 
@@ -101,6 +110,53 @@ def blocking(size_mb: int, folder: Path) -> tuple[float, float, float]:
     return sync_s, blocked_s, whole_s
 
 
+def compare_checksums(megabytes: int = 256) -> dict[str, float]:
+    """{algorithm: GB/s} over `megabytes` of random bytes in memory, one core."""
+    import hashlib
+    import zlib
+
+    import xxhash
+
+    algorithms = {"xxh3_64": lambda b: xxhash.xxh3_64(b).digest(),
+                  "xxh64": lambda b: xxhash.xxh64(b).digest(),
+                  "zlib.crc32": zlib.crc32, "sha1": lambda b: hashlib.sha1(b).digest()}
+    try:
+        import crc32c
+        algorithms["crc32c"] = crc32c.crc32c
+    except ImportError:
+        pass
+    data = memoryview(os.urandom(megabytes << 20))
+    rates = {}
+    for name, fn in algorithms.items():
+        start = time.perf_counter()
+        fn(data)
+        rates[name] = len(data) / 1e9 / (time.perf_counter() - start)
+    return rates
+
+
+def measure_checksum(gb: float, folder: Path) -> tuple[float, float, float]:
+    """(write s, checksum s from the page cache, checksum s from storage) of a `gb` file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "share.bin"
+    block = os.urandom(64 << 20)
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(int(gb * 1e9) // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    write_s = time.perf_counter() - start
+    start = time.perf_counter()
+    digest(path)
+    warm_s = time.perf_counter() - start
+    _drop_page_cache(folder)
+    start = time.perf_counter()
+    digest(path)
+    cold_s = time.perf_counter() - start
+    path.unlink()
+    return write_s, warm_s, cold_s
+
+
 def tensors_1b(recipe) -> tuple[list[int], list[int], list[int]]:
     """Bytes of every saved tensor of the 1B model: (dense weights and states, table
     weights, table states). Each parameter has its weight (training dtype) and three fp32
@@ -136,19 +192,33 @@ def main():
                     "in the current directory: put it on the storage checkpoints go to)")
     ap.add_argument("--dp", type=int, default=32, help="data-parallel ranks (1B: 4 x 8)")
     ap.add_argument("--ranks-per-node", type=int, default=8)
+    ap.add_argument("--verify-gb", type=float, default=4.1,
+                    help="one rank's share of the checksums to time (0: skip)")
     args = ap.parse_args()
     init_distributed(ParallelConfig(), seed=0)
+    folder = Path(args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_", dir="."))
     try:
-        folder = Path(args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_", dir="."))
         save_rate, load_rate = measure(args.size_mb, folder / "ckpt")
         sync_s, blocked_s, whole_s = blocking(args.size_mb, folder / "blocking")
+        checksum = measure_checksum(args.verify_gb, folder) if args.verify_gb else None
     finally:
         destroy_distributed()
+        if not args.dir:
+            shutil.rmtree(folder, ignore_errors=True)
     print(f"{args.size_mb} MB, one process: save {save_rate:.2f} GB/s, load {load_rate:.2f} "
           "GB/s (shared machine: noisy)")
     print(f"the step waits: synchronous save {sync_s:.2f} s; train.async_save {blocked_s:.2f} "
           f"s ({blocked_s / sync_s:.3f} of it; whole and fsynced after {whole_s:.2f} s, "
           "in the background)")
+    rates = compare_checksums()
+    print("checksums, one core, in memory: " + ", ".join(
+        f"{name} {rate:.1f} GB/s" for name, rate in sorted(rates.items(), key=lambda x: -x[1])))
+    if checksum is not None:
+        write_s, warm_s, cold_s = checksum
+        gb = args.verify_gb
+        print(f"checksums of {gb:.1f} GB (one rank's share): {warm_s:.1f} s after writing "
+              f"({gb / warm_s:.1f} GB/s; the write took {write_s:.1f} s), {cold_s:.1f} s from "
+              f"storage ({gb / cold_s:.2f} GB/s)")
     dense, table_weights, table_states = tensors_1b(
         load_recipe(ROOT / "recipes" / "stem_1b.yaml"))
     tables = table_weights + table_states

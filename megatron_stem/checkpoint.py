@@ -7,28 +7,30 @@
         model/               megatron dist checkpoint of StemGPTModel.sharded_state_dict()
         optim/               optimizer states (dense and tables), a dist checkpoint too
         train_state.pt       step, data position, RNG states
-        COMPLETE             written last: the other files' sizes (JSON); a folder
-                             without it is not a checkpoint
+        COMPLETE             written last: the other files' sizes and checksums (JSON);
+                             a folder without it is not a checkpoint
 
 Dist checkpoints are layout-free: any TP/PP/DP layout loads what any other saved. Every
 data-parallel rank writes its share of the replicated tensors (megatron's fully parallel
 save strategy), instead of DP rank 0 writing them all (docs/checkpoints.md).
 A checkpoint is written into `iter_N.tmp/` and renamed into place only when complete, then
-`latest` is replaced atomically, so a crash mid-save never touches the last good one.
-A checkpoint damaged since (a missing or truncated file, another model's recipe) is
-refused in one line naming the file (`verify`). Which checkpoint a run resumes from, and
+`latest` is replaced atomically and durably, so a crash mid-save never touches the last
+good one. `latest` is a hint: a reader that finds it empty, unreadable or naming no
+checkpoint folder takes the newest whole one (`hinted`). A checkpoint damaged since (a
+missing, truncated or altered file, another model's recipe) is refused in one line naming
+the file (`verify`; the checksums: `checksums.py`). Which checkpoint a run resumes from, and
 which it keeps, is the trainer's policy: `training/checkpointing.py`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch.distributed as dist
 import yaml
@@ -40,6 +42,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
 
+from megatron_stem import checksums, storage
 from megatron_stem.config import Recipe, from_dict, to_dict, upgrade_saved_recipe
 from megatron_stem.errors import UserError
 
@@ -48,6 +51,10 @@ COMPLETE = "COMPLETE"
 RECIPE = "recipe.yaml"
 MODEL = "model"
 _ITER = re.compile(r"^iter_(\d{7,})$")
+
+
+class NoWholeCheckpoint(UserError):
+    """Checkpoint folders, none of them whole."""
 
 
 def iter_name(step: int) -> str:
@@ -63,12 +70,15 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def resolve(path: str | Path) -> Path:
-    """A checkpoint folder from either a save dir (follows `latest`) or an iter_N folder,
-    checked whole (see `verify`)."""
+def resolve(path: str | Path, say: Callable[[str], None] = print) -> Path:
+    """A whole checkpoint folder from either a save dir (`latest`'s, else the newest whole
+    one: `newest_whole`) or an iter_N folder, checked whole (`verify`)."""
     path = Path(path)
-    if (path / LATEST).is_file():
-        path = path / (path / LATEST).read_text().strip()
+    if (path / LATEST).exists() or iter_folders(path):
+        found = newest_whole(path, say=say)
+        if found is None:
+            raise UserError(f"{path}: no checkpoint in it (its {LATEST} names none)")
+        return found
     if not path.is_dir():
         raise UserError(f"{path}: no such checkpoint folder")
     verify(path)
@@ -76,32 +86,103 @@ def resolve(path: str | Path) -> Path:
 
 
 def latest(save_dir: str | Path) -> Path | None:
-    """The checkpoint `latest` names under `save_dir` if it is whole, else None."""
+    """The checkpoint `latest` names under `save_dir` if it looks whole (sizes only: no
+    file is read), else None. For a quick look before a run starts; `newest_whole` decides."""
+    named = hint(Path(save_dir))[0]
+    if named is None:
+        return None
     try:
-        return resolve(save_dir) if (Path(save_dir) / LATEST).is_file() else None
+        verify(named, contents=False)
     except UserError:
         return None
+    return named
 
 
-def verify(ckpt: Path, recipe=None) -> None:
+def hint(save_dir: Path) -> tuple[Path | None, str | None]:
+    """(the iter_N folder `latest` names, None if it names none; why it is no hint, None
+    when it is one or there is no `latest`). `latest` may be empty or zero-filled after a
+    crash on storage that lost its last write, or edited by hand."""
+    pointer = save_dir / LATEST
+    try:
+        text = pointer.read_bytes().decode("utf-8").strip()
+    except FileNotFoundError:
+        return None, None
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"{pointer}: unreadable ({type(e).__name__}), ignored"
+    if not _ITER.match(text):
+        return None, f"{pointer}: holds {text[:40]!r}, not a checkpoint's name, ignored"
+    if not (save_dir / text).is_dir():
+        return None, f"{pointer}: names {text}, which does not exist"
+    return save_dir / text, None
+
+
+def newest_whole(save_dir: str | Path, recipe=None, say: Callable[[str], None] = print
+                 ) -> Path | None:
+    """The checkpoint to read under `save_dir`: the one `latest` names, or, when that one
+    is damaged, missing or `latest` is no hint (`hint`), the newest whole one older than it
+    (each refusal and the fallback are `say`-ed in one line). None when there is no
+    checkpoint folder; an error when none is whole. A collective under a process group
+    (every rank calls it; rank 0's view of the folder decides)."""
+    save_dir = Path(save_dir)
+    named, problem = _from_rank0(hint(save_dir))
+    folders = _from_rank0(sorted(iter_folders(save_dir), key=step_of, reverse=True))
+    if problem is not None:
+        say(f"warning: {problem}")
+    if named is not None:
+        folders = [named] + [p for p in folders if step_of(p) < step_of(named)]
+    elif not folders:
+        return None
+    refusals = []
+    for ckpt in folders:
+        try:
+            verify(ckpt, recipe)
+        except UserError as e:
+            say(f"warning: refusing checkpoint {ckpt.name}: {e}")
+            refusals.append(str(e))
+            continue
+        if ckpt != named:
+            say(f"warning: falling back to {ckpt}, the newest whole checkpoint")
+        return ckpt
+    raise NoWholeCheckpoint(f"{save_dir}: no whole checkpoint (the newest: {refusals[0]})")
+
+
+def _from_rank0(value):
+    """Rank 0's `value` on every rank (as is without a process group)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def verify(ckpt: Path, recipe=None, contents: bool = True) -> None:
     """Refuse, in one line naming the file, a checkpoint that is not whole: no COMPLETE
-    marker, a file missing or of another size than when it was saved, an unreadable
-    recipe.yaml, or (given `recipe`) one of another model shape."""
+    marker, a file missing, of another size, or (`contents`) of other contents than when it
+    was saved, an unreadable recipe.yaml, or (given `recipe`) one of another model shape.
+    With `contents`, a collective under a process group: the checksums are shared over
+    the ranks (`checksums.check_contents`), and all refuse what any one found."""
+    if not contents:
+        _check_layout(ckpt, recipe)
+        return
+    problem = None
+    try:
+        entries = _check_layout(ckpt, recipe)
+    except UserError as e:
+        problem = str(e)
+    problem = checksums.agreed(problem)
+    if problem is not None:
+        raise UserError(problem)
+    checksums.check_contents(ckpt, entries)
+
+
+def _check_layout(ckpt: Path, recipe) -> dict[str, dict]:
+    """`verify` without reading the files' contents; the marker's entries."""
     marker = ckpt / COMPLETE
     if not marker.is_file():
         raise UserError(f"{ckpt}: not a complete megatron-stem checkpoint (no {COMPLETE} marker;"
                         " an interrupted save, or not written by megatron-stem)")
-    try:
-        sizes = json.loads(marker.read_text() or "{}")  # empty: saved before sizes were kept
-    except ValueError:
-        raise UserError(f"{marker}: damaged (not the JSON list of files it should be)") from None
-    for name, size in sizes.items():
-        file = ckpt / name
-        if not file.is_file():
-            raise UserError(f"{file}: missing (the checkpoint was saved with it)")
-        if file.stat().st_size != size:
-            raise UserError(f"{file}: {file.stat().st_size} bytes, {size} when saved "
-                            "(truncated or overwritten)")
+    entries = checksums.read(marker)
+    checksums.check_sizes(ckpt, entries)
     if not (ckpt / RECIPE).is_file():
         raise UserError(f"{ckpt}: not a megatron-stem checkpoint (no {RECIPE})")
     try:
@@ -110,6 +191,7 @@ def verify(ckpt: Path, recipe=None) -> None:
         raise UserError(f"{ckpt / RECIPE}: unreadable ({str(e).splitlines()[0]})") from None
     if recipe is not None:
         check_same_shape(saved, recipe, ckpt)
+    return entries
 
 
 def iter_folders(save_dir: Path) -> list[Path]:
@@ -146,26 +228,31 @@ class Writer:
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
-            return False  # leave the .tmp folder; the last good checkpoint is untouched
+        if exc_type is not None:  # the .tmp folder is left; the last good one is untouched
+            # (torch's CheckpointException, what a failed write raises, is a BaseException)
+            if not isinstance(exc, (KeyboardInterrupt, SystemExit)) \
+                    and storage.full(self.save_dir, exc):
+                kept = latest(self.save_dir)
+                raise UserError(f"no space left on device while saving {self.final}; "
+                                + (f"{kept} is intact" if kept else
+                                   f"no earlier checkpoint in {self.save_dir}")) from None
+            return False
         _barrier()  # every rank has finished writing its parts
+        entries = checksums.record(self.tmp, exclude=RECIPE)  # every rank hashes a share
         if _is_writer():
-            (self.tmp / COMPLETE).write_text(json.dumps(_file_sizes(self.tmp), indent=0))
+            checksums.write(self.tmp / COMPLETE, entries)
             if self.final.exists():
                 shutil.rmtree(self.final)
             os.replace(self.tmp, self.final)
-            pointer = self.save_dir / (LATEST + ".tmp")
-            pointer.write_text(self.final.name + "\n")
-            os.replace(pointer, self.save_dir / LATEST)
+            storage.fsync_folder(self.save_dir)  # the rename, before `latest` names it
+            point_latest(self.save_dir, self.final)
         _barrier()
         return False
 
 
-def _file_sizes(folder: Path) -> dict[str, int]:
-    """{path relative to `folder`: size} of every file under it but recipe.yaml, which is
-    checked by its content (`verify`) and may be edited by hand."""
-    return {str(p.relative_to(folder)): p.stat().st_size
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != RECIPE}
+def point_latest(save_dir: Path, ckpt: Path) -> None:
+    """Make `ckpt` the checkpoint `latest` names, durably (the rename of `ckpt` too)."""
+    storage.write_durably(save_dir / LATEST, ckpt.name + "\n")
 
 
 def save_model(model, folder: Path, background=None) -> None:

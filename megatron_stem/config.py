@@ -1,6 +1,7 @@
 """Typed configuration: dataclasses filled from YAML recipes in strict mode.
 
-Every field is type-checked on load, unknown keys are errors (with a suggestion), and each
+Every field is type-checked on load, unknown keys are errors (with a suggestion), numbers
+must be finite and within the range their dataclass declares (`RANGES`: `Range`), and each
 dataclass's `validate()` checks cross-field rules. All errors are `ConfigError`s whose
 message starts with the dotted path of the offending field.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -48,6 +50,8 @@ def from_dict(cls: type, data: Any, where: str = ""):
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{where}{name}: required field is missing")
     obj = cls(**kwargs)
+    for name, allowed in getattr(cls, "RANGES", {}).items():
+        allowed.check(getattr(obj, name), f"{where}{name}")
     validate = getattr(obj, "validate", None)
     if validate is not None:
         try:
@@ -55,6 +59,34 @@ def from_dict(cls: type, data: Any, where: str = ""):
         except ConfigError as e:
             raise ConfigError(f"{where}{e}") from None
     return obj
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field may take, declared per dataclass in `RANGES`
+    ({field: Range}) and checked at load: `low` <= value (< `low` is refused; with
+    `above`, value must exceed it), value <= `high`. `why` ends the error of a value above
+    `high` (what the bound guards against)."""
+
+    low: Optional[float] = None
+    high: Optional[float] = None
+    above: Optional[float] = None
+    why: str = ""
+
+    def check(self, value, where: str) -> None:
+        if value is None:
+            return
+        if self.above is not None and not value > self.above:
+            raise ConfigError(f"{where}: must be above {_bound(self.above)}, got {value!r}")
+        if self.low is not None and value < self.low:
+            raise ConfigError(f"{where}: must be >= {_bound(self.low)}, got {value!r}")
+        if self.high is not None and value > self.high:
+            why = f" ({self.why})" if self.why else ""
+            raise ConfigError(f"{where}: must be <= {_bound(self.high)}, got {value!r}{why}")
+
+
+def _bound(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 def _coerce(value: Any, typ: Any, where: str):
@@ -124,6 +156,8 @@ def _number(value: Any, typ: type, where: str):
                 continue
     if not isinstance(number, bool):
         if typ is float and isinstance(number, (int, float)):
+            if not math.isfinite(number):  # .nan, .inf: no setting means either
+                raise ConfigError(f"{where}: expected a finite number, got {value!r}")
             return float(number)
         if typ is int and isinstance(number, int):
             return number
@@ -214,6 +248,10 @@ class ModelConfig:
     # Embedding/output rows are padded to a multiple of this (Megatron's convention) so the
     # vocab splits evenly over TP ranks; STEM tables keep exactly `vocab_size` rows.
     make_vocab_size_divisible_by: int = 128
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "rotary_base": Range(above=0), "norm_eps": Range(above=0, high=1),
+        "init_std": Range(above=0, high=10)}
 
     def validate(self) -> None:
         for name in ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
@@ -474,6 +512,10 @@ class TableOptimizerConfig:
     # (the 350M recipes): no copies of gradients or rows between CPU and accelerator.
     device: Literal["cpu", "accelerator"] = "cpu"
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "lr_mult": Range(above=0, high=1e3, why="the tables' lr is optimizer.lr times this"),
+        "weight_decay": Range(low=0, high=1)}
+
 
 @dataclass
 class OptimizerConfig:
@@ -501,6 +543,19 @@ class OptimizerConfig:
     zero_stage: Literal[1, 2] = 1
     offload: bool = False  # ZeRO-Offload of the dense optimizer to CPU (DeepSpeed CPU Adam)
     tables: TableOptimizerConfig = field(default_factory=TableOptimizerConfig)
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        # Generous: it catches an exponent that lost its minus (4e4 for 4e-4), and leaves
+        # room for runs made to diverge on purpose (tests/test_training_guard.py).
+        "lr": Range(above=0, high=1e3, why="Adam's step is about lr per weight: a "
+                    "learning rate is far below 1"),
+        "min_lr_ratio": Range(low=0, high=1, why="a fraction of lr"),
+        "warmup_steps": Range(low=0),
+        "weight_decay": Range(low=0, high=1, why="AdamW multiplies the weights by 1 - lr x "
+                              "weight_decay each step"),
+        "beta1": Range(low=0, high=0.999999), "beta2": Range(low=0, high=0.999999),
+        "eps": Range(above=0, high=1),
+        "clip_grad": Range(low=0)}
 
 
 @dataclass
@@ -595,6 +650,13 @@ class TrainConfig:
     # Deterministic kernels on a GPU, for debugging a difference between two runs (every
     # kernel on a CPU is already): slower, and attention in SDPA's math kernel (docs/tables.md).
     deterministic: bool = False
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "global_batch_size": Range(high=2**24, why="sequences per step; the 1B recipe takes "
+                                   "512"),
+        "micro_batch_size": Range(high=2**24), "steps": Range(high=2**40),
+        "keep_last": Range(low=0), "eval_iters": Range(low=0),
+        "peak_flops": Range(above=0)}
 
     def validate(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "steps", "log_interval",

@@ -29,6 +29,9 @@ IGNORED_WARNINGS = [
 IGNORED_LOGS = {
     # Training on CPU is what the recipe asked for; DeepSpeed guesses it was a mistake.
     "DeepSpeed": ("Setting accelerator to CPU. If you have GPU",),
+    # A failed checkpoint write, logged by the writer before it raises the same error
+    # (which a full disk turns into one line: checkpoint.Writer).
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": ("Local process ",),
 }
 # Loggers of the libraries a job runs, quieted on ranks other than 0.
 LIBRARY_LOGGERS = ("DeepSpeed", "megatron", "torch", "transformers")

@@ -12,11 +12,18 @@ This module is the loop (`run`); what surrounds it has rooms of its own: save an
 downstream evaluation `evaluation/in_loop.py`.
 """
 
+# ruff: noqa: E402  (the imports come after the stop handler's installation)
 from __future__ import annotations
+
+from megatron_stem import lifetime
+from megatron_stem.training.stop import catch_stop_signals, end_with_launcher
+
+if __name__ == "__main__":  # a rank: a stop signal during the slow imports below is caught
+    catch_stop_signals()
+    end_with_launcher()
 
 import argparse
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -171,6 +178,7 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     step, "preempted": bool}. `on_step(step)` is called after every step (for tools and
     tests: fault injection)."""
     train, opt = recipe.train, recipe.optimizer
+    stop_signal = StopSignal()  # first (a rank started as the trainer caught it at its start)
     check_gpus_visible()
     if train.deterministic:
         use_deterministic_kernels()
@@ -182,11 +190,10 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     if finished is not None:
         return {"losses": [], "valid": [], "valid_sets": {}, "downstream": [],
                 "step": finished, "preempted": False}
-    check_training_data(recipe.data)
-    check_validation_sets(recipe.data)
+    check_training_data(recipe.data, recipe.model.vocab_size)
+    check_validation_sets(recipe.data, recipe.model.vocab_size)
     check_wandb_installed(recipe)
     tokenizer = tokenizer or load_tokenizer(recipe)
-    stop_signal = StopSignal()  # before anything slow (see there)
     init_distributed(recipe.parallel, seed=train.seed)
     tables = batches = None
     try:
@@ -286,4 +293,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    lifetime.exit_soon(main())  # a thread a library left running keeps no finished rank

@@ -214,3 +214,32 @@ def test_the_long_run_sections_refuse_what_cannot_run(overrides, message):
                           "lm_eval.tasks=[hellaswag]"])  # interval 0: off, tasks kept
     assert recipe.data.validation_sets == {"a": ["x"], "b": ["y", "z"]}
     assert not recipe.data.split_validates and recipe.lm_eval.interval == 0
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optimizer.lr=nan", "expected a finite number, got 'nan'"),
+    ("optimizer.lr=.inf", "expected a finite number, got inf"),
+    ("optimizer.lr=-1e-3", "must be above 0, got -0.001"),
+    ("optimizer.lr=4e4", "must be <= 1000, got 40000.0 (Adam's step is about lr per "
+                         "weight: a learning rate is far below 1)"),
+    ("optimizer.clip_grad=-1", "must be >= 0, got -1.0"),
+    ("optimizer.weight_decay=-0.1", "must be >= 0, got -0.1"),
+    ("optimizer.min_lr_ratio=1.5", "must be <= 1, got 1.5 (a fraction "
+                                   "of lr)"),
+    ("optimizer.tables.lr_mult=0", "must be above 0, got 0.0"),
+    ("train.global_batch_size=1000000000000", "must be <= 16777216, got 1000000000000 (sequences per step; the 1B recipe takes 512)"),
+    ("model.rotary_base=-inf", "expected a finite number, got '-inf'"),
+])
+def test_nonsense_numbers_are_refused_naming_the_field(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_recipe(ROOT / "recipes" / "tiny_cpu.yaml", [override])
+    assert str(e.value) == f"command line: {override}: {message}"
+
+
+def test_a_nonsense_number_in_a_recipe_file_names_the_field(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"inherit: {ROOT / 'recipes' / 'tiny_cpu.yaml'}\n"
+                      "optimizer: {lr: .nan}\n")
+    with pytest.raises(ConfigError) as e:
+        load_recipe(recipe)
+    assert str(e.value) == f"{recipe}: optimizer.lr: expected a finite number, got nan"

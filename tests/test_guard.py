@@ -90,6 +90,6 @@ def test_prune_leaves_the_kept_checkpoint(tmp_path):
     checkpointing.prune(tmp_path, keep_last=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.iter_name(2),
                                                           checkpoint.iter_name(5)]
-    checkpointing.point_latest(tmp_path, good)
+    checkpoint.point_latest(tmp_path, good)
     assert (tmp_path / checkpoint.LATEST).read_text().strip() == checkpoint.iter_name(2)
 

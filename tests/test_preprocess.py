@@ -101,6 +101,7 @@ def test_round_trip_through_megatron_gpt_dataset(tmp_path, sp_model, tok, corpus
     assert read_documents(prefix) == docs
     assert stats["documents"] == len(texts)
     assert stats["tokens"] == sum(map(len, docs))
+    assert stats["max_token_id"] == {"text": max(max(d) for d in docs)}
 
     seq = 64
     config = GPTDatasetConfig(

@@ -36,6 +36,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from megatron_stem.data.checks import check_token_files
 from megatron_stem.data.durable import read_json, sync_dir, write_json
 from megatron_stem.data.indexed import bin_path, idx_path, index_size, merge, read_header
 from megatron_stem.errors import UserError
@@ -263,9 +264,10 @@ def _single(prefix: str, field: str) -> Prefix:
     return Prefix(prefix, read_header(idx_path(prefix)).sequences)
 
 
-def resolve(entry: str, field: str) -> list[Prefix]:
-    """The prefixes of one data entry, each checked to exist and to fit megatron's ids
-    (the count its `.idx` header gives)."""
+def resolve(entry: str, field: str, vocab_size: Optional[int] = None) -> list[Prefix]:
+    """The prefixes of one data entry, each checked to exist, to fit megatron's ids (the
+    count its `.idx` header gives) and to be whole (`checks.check_token_files`: sizes, and
+    with `vocab_size` a sample of its ids)."""
     if not is_prefix_set(entry):
         prefixes = [_single(entry, field)]
     else:
@@ -274,6 +276,10 @@ def resolve(entry: str, field: str) -> list[Prefix]:
                            p.tokens) for p in listed]
     for prefix in prefixes:
         check_documents(prefix, field)
+        try:
+            check_token_files(prefix.path, vocab_size)
+        except UserError as e:
+            raise UserError(f"{field}: {e}") from None
     return prefixes
 
 
@@ -287,13 +293,14 @@ def check_documents(prefix: Prefix, field: str) -> None:
 
 
 def resolve_blend(entries: list[str], weights: Optional[list[float]],
-                  field: Callable[[int], str]) -> tuple[list[Prefix], Optional[list[float]]]:
+                  field: Callable[[int], str], vocab_size: Optional[int] = None
+                  ) -> tuple[list[Prefix], Optional[list[float]]]:
     """(prefixes, weights) of weighted entries, a set's weight split over its prefixes by
     their tokens. Without weights, megatron samples every prefix in proportion to its size
     (its samples), so a set needs no weights either."""
     prefixes, split = [], []
     for i, entry in enumerate(entries):
-        resolved = resolve(entry, field(i))
+        resolved = resolve(entry, field(i), vocab_size)
         prefixes += resolved
         if weights is not None and len(resolved) == 1:
             split.append(weights[i])

@@ -41,6 +41,8 @@ from typing import Literal, Optional, Sequence, TextIO
 
 import numpy as np
 
+from megatron_stem import storage
+from megatron_stem.data.checks import max_token_id
 from megatron_stem.data.encoders import (BACKENDS, GigatokenEncoder, ReferenceEncoder,
                                          first_difference, load_encoder)
 from megatron_stem.data.durable import read_json, write_json
@@ -162,7 +164,15 @@ def preprocess(cfg: PreprocessConfig, log: Optional[TextIO] = sys.stderr) -> dic
     `if __name__ == "__main__":` guard.
     """
     cfg.validate()
-    return _Job(cfg, log).run()
+    try:
+        return _Job(cfg, log).run()
+    except OSError as e:
+        folder = os.path.dirname(os.path.abspath(cfg.output_prefix))
+        if not storage.full(folder, e):
+            raise
+        raise UserError(f"no space left on device writing {e.filename or folder}; the finished "
+                        f"parts in {cfg.parts_dir} are kept: free space and rerun the same "
+                        "command to resume") from None
 
 
 @dataclass
@@ -668,7 +678,8 @@ class _Job:
                  "tokenizer": self.tokenizer.unique_identifiers, "dtype": self.settings["dtype"],
                  "json_keys": self.keys, "append_eod": cfg.append_eod,
                  "prepend_bos": cfg.prepend_bos, "identity": self.identity,
-                 "output_files": {path: os.path.getsize(path) for path in files}}
+                 "output_files": {path: os.path.getsize(path) for path in files},
+                 "max_token_id": self._max_ids(prefixes)}
         stats["tokens"] = sum(stats["tokens_by_key"].values())
         write_json(cfg.stats_path, stats)
         if not cfg.keep_parts:
@@ -687,6 +698,22 @@ class _Job:
             for error in sorted(errors, key=lambda e: e[0]):
                 yield Skip(*error).describe(shard.path)
 
+
+    def _max_ids(self, prefixes: dict) -> Optional[dict]:
+        """--single-prefix: every id of each output read once (the full check the trainer
+        only samples: data/checks.py). A prefix set's are not read again here: the step
+        that lists them must not read the corpus (the trainer samples each prefix)."""
+        if not self.cfg.single_prefix:
+            return None
+        return {k: self._checked_max_id(p["prefix"]) for k, ps in prefixes.items() for p in ps}
+
+    def _checked_max_id(self, prefix: str) -> int:
+        """Every id of `prefix` below the tokenizer's vocabulary, or the output is refused."""
+        top = max_token_id(prefix)
+        if top >= self.tokenizer.vocab_size:
+            raise UserError(f"token id {top} in {bin_path(prefix)} is >= the tokenizer's "
+                            f"vocab_size {self.tokenizer.vocab_size}")
+        return top
 
 def _remove_parts(parts: list) -> None:
     """Token files of parts merged into a finished prefix (their chunks' records stay)."""

@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from megatron_stem import lifetime
 from megatron_stem.data.columns import chunk_columns
 from megatron_stem.data.encoders import load_encoder
 from megatron_stem.data.indexed import PartWriter, bin_path, idx_path
@@ -192,17 +192,11 @@ def init_worker(settings: WorkerSettings, counters) -> None:
     # records them. If it dies without doing so (SIGKILL), the watchdog ends the worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    lifetime.exit_with_parent()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker, like sentencepiece
     tokenizer = load_tokenizer(settings.tokenizer_type, settings.tokenizer_model)
     encoder, _ = load_encoder(tokenizer, settings.backend)
     _worker["tokenize"] = ChunkTokenizer(settings, encoder, counters)
-
-
-def _exit_with_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(1)
-    os._exit(1)
 
 
 def work(chunk: Chunk, prefixes: dict) -> dict:

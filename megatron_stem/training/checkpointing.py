@@ -161,7 +161,7 @@ class Checkpointer:
     def rewind(self, ckpt: str) -> None:
         """Point `latest` at `ckpt`: a rerun resumes from it (rank 0 writes)."""
         if dist.get_rank() == 0:
-            point_latest(self.save_dir, Path(ckpt))
+            checkpoint.point_latest(self.save_dir, Path(ckpt))
 
     def save(self, step: int, force: bool = False) -> bool:
         """Save a complete checkpoint of `step` when one is due (or `force`: a stop), on
@@ -254,7 +254,10 @@ def finished_step(recipe: Recipe) -> Optional[int]:
     ckpt = checkpoint.latest(recipe.train.save_dir)
     if ckpt is None or not (ckpt / TRAIN_STATE).is_file():
         return None
-    step = load_train_state(ckpt)["step"]
+    try:
+        step = load_train_state(ckpt)["step"]
+    except UserError:  # damaged: the resume refuses it and says so
+        return None
     if step < recipe.train.steps:
         return None
     if int(os.environ.get("RANK", "0")) == 0:
@@ -266,45 +269,23 @@ def finished_step(recipe: Recipe) -> Optional[int]:
 def resume_point(save_dir: str | Path, recipe, say: Callable[[str], None] = print
                  ) -> Path | None:
     """The checkpoint a run in `save_dir` resumes from: the one `latest` names, or, when
-    that one is damaged or missing, the newest whole one older than it (each refusal and
-    the fallback are `say`-ed in one line). None for a save dir without checkpoints."""
-    save_dir = Path(save_dir)
-    pointer = save_dir / checkpoint.LATEST
-    folders = sorted(checkpoint.iter_folders(save_dir), key=checkpoint.step_of, reverse=True)
-    named = pointer.read_text().strip() if pointer.is_file() else None
-    if named is not None and (save_dir / named).is_dir():
-        newest = checkpoint.step_of(save_dir / named)
-        folders = [save_dir / named] + [p for p in folders if checkpoint.step_of(p) < newest]
-    elif named is not None:
-        say(f"warning: {pointer}: names {named}, which does not exist")
-    elif not folders:
-        return None
-    for ckpt in folders:
-        try:
-            checkpoint.verify(ckpt, recipe)
-        except UserError as e:
-            say(f"warning: refusing checkpoint {ckpt.name}: {e}")
-            continue
-        if ckpt.name != named:
-            say(f"warning: falling back to {ckpt}, the newest whole checkpoint")
-        return ckpt
-    raise UserError(f"{save_dir}: no whole checkpoint to resume from (see the lines above); "
-                    "move the folder away, or set another train.save_dir, to start afresh")
+    that one is damaged or missing or `latest` is no hint, the newest whole one older than
+    it (`checkpoint.newest_whole`: each refusal and the fallback are `say`-ed in one line).
+    None for a save dir without checkpoints. A collective under a process group."""
+    try:
+        return checkpoint.newest_whole(save_dir, recipe, say)
+    except checkpoint.NoWholeCheckpoint:
+        raise UserError(f"{save_dir}: no whole checkpoint to resume from (see the lines "
+                        "above); move the folder away, or set another train.save_dir, to "
+                        "start afresh") from None
 
 
 def agreed_resume_point(save_dir: str | Path, recipe) -> Path | None:
-    """`resume_point` as rank 0 finds it (and says it), the same for every rank."""
-    found = [None, None]  # checkpoint, or the error that there is none to resume from
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            found[0] = resume_point(save_dir, recipe, say=lambda line: print(line, flush=True))
-        except UserError as e:
-            found[1] = str(e)
-    if dist.is_initialized():
-        dist.broadcast_object_list(found, src=0)
-    if found[1] is not None:
-        raise UserError(found[1])
-    return found[0]
+    """`resume_point`, the same for every rank (rank 0 says what it finds); every rank
+    checks its share of the checksums."""
+    quiet = dist.is_initialized() and dist.get_rank() != 0
+    return resume_point(save_dir, recipe,
+                        say=(lambda line: None) if quiet else lambda line: print(line, flush=True))
 
 
 def prune(save_dir: Path, keep_last: int) -> None:
@@ -324,10 +305,3 @@ def last_before(save_dir: Path, step: int) -> Path | None:
     done = [p for p in checkpoint.iter_folders(save_dir)
             if (p / checkpoint.COMPLETE).exists() and checkpoint.step_of(p) < step]
     return max(done, key=checkpoint.step_of) if done else None
-
-
-def point_latest(save_dir: Path, ckpt: Path) -> None:
-    """Make `ckpt` the checkpoint a rerun of the run in `save_dir` resumes from."""
-    pointer = save_dir / (checkpoint.LATEST + ".tmp")
-    pointer.write_text(ckpt.name + "\n")
-    os.replace(pointer, save_dir / checkpoint.LATEST)

@@ -31,18 +31,19 @@ def training_entries(data: DataConfig) -> list[str]:
     return entries
 
 
-def check_training_data(data: DataConfig) -> None:
-    """Every token file the training data names exists and fits megatron's document ids
-    (the error names the recipe field)."""
+def check_training_data(data: DataConfig, vocab_size: int | None = None) -> None:
+    """Every token file the training data names exists, is whole and fits megatron's
+    document ids (the error names the recipe field); with `vocab_size`, a sample of its ids
+    too (data/checks.py)."""
     entries, weights = data.training_blend()
     training_entries(data)
-    resolve_blend(entries, weights, data.field_of)
+    resolve_blend(entries, weights, data.field_of, vocab_size)
 
 
-def check_validation_sets(data: DataConfig) -> None:
+def check_validation_sets(data: DataConfig, vocab_size: int | None = None) -> None:
     """Every named validation set's files, before anything starts."""
     for name, entries in data.validation_sets.items():
-        resolve_blend(entries, None, lambda i, name=name: f"data.validation.{name}")
+        resolve_blend(entries, None, lambda i, name=name: f"data.validation.{name}", vocab_size)
 
 
 def check_documents(data: DataConfig, tokenizer) -> None:

@@ -203,14 +203,26 @@ def save_train_state(folder: Path, step: int, extra: dict) -> None:
 def load_train_state(ckpt: Path) -> dict:
     """The train state of `ckpt`, read with `weights_only=True`: a checkpoint may come from
     a shared folder or a download, and unpickling an object can run any code. A file that
-    holds one (no version of this project wrote any) is refused in one line."""
+    holds one (no version of this project wrote any) is refused in one line, and so is a
+    damaged one (checkpoints saved before checksums were kept do not catch that earlier)."""
     path = ckpt / TRAIN_STATE
     try:
-        return torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if found is None and "weights_only" not in str(e):
+            raise _damaged(path, e) from None
         what = f"a Python object ({found[1]})" if found else "a Python object"
         raise UserError(f"{path}: refused: it holds {what}, not only the numbers and "
                         "tensors of a train state, and loading it could run code (this "
                         "project never writes one: the file was made or altered elsewhere)"
                         ) from None
+    except Exception as e:  # a damaged zip or pickle stream: zip, UTF-8 and EOF errors
+        raise _damaged(path, e) from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise UserError(f"{path}: damaged (no step in it)")
+    return state
+
+
+def _damaged(path: Path, e: Exception) -> UserError:
+    return UserError(f"{path}: damaged ({type(e).__name__}: {str(e).splitlines()[0][:80]})")

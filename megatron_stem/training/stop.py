@@ -8,6 +8,11 @@ slurm/launch.sh), leaves the file `$STEM_STOP_MARKER.<host>` from each node, sin
 does not pass its ranks' exit codes on after it forwarded them a signal. Everything above
 the trainer (launch.sh, slurm/torchrun.py) only forwards the signal and carries this
 answer back: docs/slurm.md.
+
+A signal can come at any moment, also while a rank is still importing torch: the trainer
+(`python -m megatron_stem.train`) calls `catch_stop_signals` before its first slow import,
+so this module imports nothing slow at its top, and the flag it sets is the process's,
+which the run's `StopSignal` reads once it exists.
 """
 
 from __future__ import annotations
@@ -17,33 +22,51 @@ import signal
 import socket
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-from megatron_stem.parallel import device
+from megatron_stem import lifetime
 
 EXIT_REQUEUE = 99  # stopped by a signal after saving: the job should be requeued
 _STOP, _REQUEUE = 1.0, 2.0  # what a rank was asked for; the ranks agree on the most
+_asked = 0.0  # the most this process was asked for, by any signal caught so far
+
+
+def _set(signum, frame):
+    global _asked
+    _asked = max(_asked, _REQUEUE if signum == signal.SIGUSR1 else _STOP)
+
+
+def catch_stop_signals() -> None:
+    """From now on SIGUSR1 and SIGTERM set this process's stop flag instead of killing it
+    by default action (possibly while it holds torch's JIT-extension build lock, which
+    would then hang every later run sharing that cache)."""
+    signal.signal(signal.SIGUSR1, _set)
+    signal.signal(signal.SIGTERM, _set)
+
+
+def end_with_launcher() -> None:
+    """In a rank torchrun started: end it when the launcher dies (`lifetime`). A run
+    started from a shell is left alone: under nohup it outlives its shell, as asked."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        lifetime.exit_with_parent(f"rank {os.environ.get('RANK', '?')}")
 
 
 class StopSignal:
-    """A flag set by SIGUSR1/SIGTERM; ranks agree on it once per step. Install it before
-    anything slow: a stop signal during start-up must set the flag, not kill the rank by
-    default action (possibly while it holds torch's JIT-extension build lock, which would
-    then hang every later run sharing that cache)."""
+    """The stop flag (`catch_stop_signals`, also of the signals caught before it was made);
+    ranks agree on it once per step. A rank also ends with its launcher
+    (`end_with_launcher`)."""
 
     def __init__(self):
-        self._asked = 0.0
         self.requeue = False  # set by `requested` when the stop was a SIGUSR1
-        signal.signal(signal.SIGUSR1, self._set)
-        signal.signal(signal.SIGTERM, self._set)
-
-    def _set(self, signum, frame):
-        self._asked = max(self._asked, _REQUEUE if signum == signal.SIGUSR1 else _STOP)
+        catch_stop_signals()
+        end_with_launcher()
 
     def requested(self) -> bool:
         """Whether any rank got a stop signal (a collective: every rank calls it)."""
-        asked = torch.tensor([self._asked], device=device())
+        import torch  # not at the top: see the module's docstring
+        import torch.distributed as dist
+
+        from megatron_stem.parallel import device
+
+        asked = torch.tensor([_asked], device=device())
         dist.all_reduce(asked, op=dist.ReduceOp.MAX)
         self.requeue = asked.item() == _REQUEUE
         return asked.item() > 0

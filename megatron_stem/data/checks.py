@@ -1,0 +1,90 @@
+"""Token files checked against each other and the model before training reads them.
+
+A `.bin/.idx` pair that does not belong together, or holds ids the model has no row for,
+otherwise fails late and far from its cause: a truncated `.bin` when training reaches the
+damaged region, an id above the vocabulary as an index error at step 1 naming no file.
+`check_token_files` costs a few reads per prefix (the headers, the last index entries, a
+sample of ids), so every rank runs it at start. The full id check is preprocessing's
+(`max_token_id`, in its stats).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+
+from megatron_stem.data.indexed import bin_path, idx_path, read_header
+from megatron_stem.errors import UserError
+
+SAMPLE_SPANS = 16  # where ids are sampled: this many spans spread over the .bin
+SPAN_TOKENS = 4096
+_SCAN_TOKENS = 1 << 24  # tokens read at a time by `max_token_id`
+
+
+def size_text(n: int) -> str:
+    """Bytes as people read them: 512 B, 2.5 MB, 4.1 GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def check_token_files(prefix: str, vocab_size: Optional[int] = None) -> None:
+    """Refuse, in one line naming the file, a `.bin/.idx` pair that cannot be read whole:
+    an `.idx` that is not one, or cut short; a `.bin` that is empty, shorter or longer than
+    its `.idx` says (truncated, or the `.idx` of another prefix); with `vocab_size`, a
+    sampled token id >= it."""
+    header = read_header(idx_path(prefix))
+    idx_bytes = os.path.getsize(idx_path(prefix))
+    wanted = header.documents_offset + 8 * header.documents
+    if idx_bytes != wanted:
+        raise UserError(f"{idx_path(prefix)} is {size_text(idx_bytes)} but its header needs "
+                        f"{size_text(wanted)} (truncated or damaged)")
+    itemsize = np.dtype(header.dtype).itemsize
+    needed = _bin_bytes_needed(prefix, header, itemsize)
+    got = os.path.getsize(bin_path(prefix))
+    if got == 0 and needed:
+        raise UserError(f"{bin_path(prefix)} is empty but its .idx needs {size_text(needed)}")
+    if got != needed:
+        what = "truncated, or" if got < needed else "written with"
+        raise UserError(f"{bin_path(prefix)} is {size_text(got)} but its .idx needs "
+                        f"{size_text(needed)} ({what} the .idx of another prefix)")
+    if vocab_size is not None and got:
+        _check_sampled_ids(prefix, header.dtype, got // itemsize, vocab_size)
+
+
+def _bin_bytes_needed(prefix: str, header, itemsize: int) -> int:
+    """The `.bin` size the `.idx` implies: its last sequence's pointer plus its length."""
+    if header.sequences == 0:
+        return 0
+    with open(idx_path(prefix), "rb") as f:
+        f.seek(header.lengths_offset + 4 * (header.sequences - 1))
+        (length,) = np.frombuffer(f.read(4), np.int32)
+        f.seek(header.pointers_offset + 8 * (header.sequences - 1))
+        (pointer,) = np.frombuffer(f.read(8), np.int64)
+    if length < 0 or pointer < 0:
+        raise UserError(f"{idx_path(prefix)}: damaged (a negative length or pointer)")
+    return int(pointer) + int(length) * itemsize
+
+
+def _check_sampled_ids(prefix: str, dtype, tokens: int, vocab_size: int) -> None:
+    ids = np.memmap(bin_path(prefix), dtype=dtype, mode="r")
+    starts = np.linspace(0, max(tokens - SPAN_TOKENS, 0), SAMPLE_SPANS).astype(np.int64)
+    for start in np.unique(starts):
+        span = ids[start:start + SPAN_TOKENS]
+        bad = span[(span >= vocab_size) | (span < 0)]
+        if bad.size:
+            raise UserError(f"token id {int(bad[0])} in {bin_path(prefix)} is >= "
+                            f"model.vocab_size {vocab_size} (or negative): data made with "
+                            "another tokenizer?")
+
+
+def max_token_id(prefix: str) -> int:
+    """The largest token id in `prefix`.bin, read whole (-1 when empty)."""
+    dtype = read_header(idx_path(prefix)).dtype
+    ids = np.memmap(bin_path(prefix), dtype=dtype, mode="r") \
+        if os.path.getsize(bin_path(prefix)) else np.zeros(0, dtype)
+    return max((int(ids[i:i + _SCAN_TOKENS].max()) for i in range(0, len(ids), _SCAN_TOKENS)),
+               default=-1)
