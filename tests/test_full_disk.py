@@ -66,7 +66,8 @@ def test_preprocessing_on_a_full_disk_is_one_line_and_resumes(small_disk, sp_mod
             [sys.executable, "tools/preprocess_data.py", "--input",
              "data_corpus/gcide.jsonl.gz", "--output-prefix", str(prefix),
              "--tokenizer-type", "sentencepiece", "--tokenizer-model", sp_model,
-             "--workers", "2"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+             "--workers", "2", "--single-prefix"], capture_output=True, text=True, timeout=300,
+            cwd=ROOT,
             env=subprocess_env())
 
     disk = small_disk(2)

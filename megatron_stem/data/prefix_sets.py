@@ -261,7 +261,10 @@ def _single(prefix: str, field: str) -> Prefix:
     if missing:
         raise UserError(f"{field}: {missing[0]} not found (give the path without .bin/.idx, "
                         "or a prefix-set folder, as written by preprocess_data.py)")
-    return Prefix(prefix, read_header(idx_path(prefix)).sequences)
+    try:
+        return Prefix(prefix, read_header(idx_path(prefix)).sequences)
+    except UserError as e:
+        raise UserError(f"{field}: {e}") from None
 
 
 def resolve(entry: str, field: str, vocab_size: Optional[int] = None) -> list[Prefix]:
