@@ -546,7 +546,9 @@ class TrainConfig:
     keep_last: int = 3
     save_dir: str = "runs/default"
     # A checkpoint whose model weights (backbone and tables) start a new run: the previous
-    # stage's iter_N (or its save dir: the `latest` one), or the output of tools/from_hf.py.
+    # stage by its recipe or run folder (its last complete checkpoint, refused until that
+    # stage has finished: training/checkpointing.py `stage_start`), an iter_N folder, or the
+    # output of tools/from_hf.py.
     # Ignored once save_dir holds a checkpoint to resume. The new run keeps its own step
     # count, schedule, data, save_dir and logs; only the parameters' shapes must match.
     init_from: Optional[str] = None
@@ -786,14 +788,6 @@ class RecipeSource:
             _note_origins(out, key, value, OVERRIDE)
         return out
 
-    def origin_of(self, field: str) -> str | None:
-        """Who set `field` (or the section holding it), None if nobody did."""
-        origins = self.origins()
-        key = field
-        while key and key not in origins:
-            key = _parent(key)
-        return origins.get(key)
-
     def _blame(self, problem: str, found_with) -> str:
         """`problem` ("field: what") prefixed by where the field's value came from: the last
         override that set it (or a section holding it); else the first override after which
@@ -812,9 +806,18 @@ class RecipeSource:
                      0)
         if first:
             return f"command line: {self.overrides[first - 1]}: {problem}"
-        origin = self.origin_of(field)
+        origin = origin_of(self.origins(), field)
         where = f" (set in {origin})" if origin not in (None, OVERRIDE, str(self.path)) else ""
         return f"{self.path}: {problem}{where}"
+
+
+def origin_of(origins: dict[str, str], field: str) -> str | None:
+    """Who set `field` (or the section holding it), of `RecipeSource.origins()`; None if
+    nobody did."""
+    key = field
+    while key and key not in origins:
+        key = _parent(key)
+    return origins.get(key)
 
 
 def _parent(key: str) -> str:

@@ -127,9 +127,9 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(sp_model):
                                          "tokenizer_model": sp_model}})
     with pytest.raises(UserError, match=r"^data\.tokenizer_model: .*gcide\.model: the tokenizer "
                                         r"has 1000 tokens but the model's vocab_size is 999"):
-        trainer._load_tokenizer(recipe)
+        trainer.load_tokenizer(recipe)
     recipe.model.vocab_size = 1000
-    assert trainer._load_tokenizer(recipe).vocab_size == 1000
+    assert trainer.load_tokenizer(recipe).vocab_size == 1000
 
 @pytest.mark.parametrize("variable, value", [("SLURM_GPUS_ON_NODE", "8"),
                                              ("SLURM_JOB_GPUS", "0,1"),

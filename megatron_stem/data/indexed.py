@@ -78,6 +78,30 @@ def read_header(path: str) -> IndexHeader:
     return IndexHeader(_CODE_DTYPES[code], sequences, documents)
 
 
+def check_whole(prefix: str) -> IndexHeader:
+    """The header of a prefix whose two files agree: the `.idx` as long as its counts say,
+    and the `.bin` ending where its last sequence does (one pointer and one length read,
+    not the index). A truncated or mismatched pair is a UserError naming the file."""
+    index, tokens = idx_path(prefix), bin_path(prefix)
+    header = read_header(index)
+    expected = header.documents_offset + 8 * header.documents
+    if os.path.getsize(index) != expected:
+        raise UserError(f"{index}: {os.path.getsize(index):,} bytes, but its header's counts "
+                        f"make {expected:,} (truncated, or written by an interrupted job)")
+    end = 0
+    if header.sequences:
+        with open(index, "rb") as f:
+            f.seek(header.lengths_offset + 4 * (header.sequences - 1))
+            (length,) = struct.unpack("<i", f.read(4))
+            f.seek(header.pointers_offset + 8 * (header.sequences - 1))
+            (pointer,) = struct.unpack("<q", f.read(8))
+        end = pointer + length * np.dtype(header.dtype).itemsize
+    if os.path.getsize(tokens) != end:
+        raise UserError(f"{tokens}: {os.path.getsize(tokens):,} bytes, but {index} ends its "
+                        f"last sequence at {end:,} (not the pair that was written together)")
+    return header
+
+
 def _write_header(f, dtype: type, sequences: int, documents: int) -> None:
     f.write(_HEADER + struct.pack("<QBQQ", _VERSION, _DTYPE_CODES[dtype], sequences, documents))
 
