@@ -125,11 +125,16 @@ def _data(recipe: Recipe, found: Findings) -> dict[tuple[str, str], IndexHeader]
     headers = {}
     for where, prefix in named:
         with found.catch(where):
-            check_prefixes([prefix], lambda _, where=where: where)
-            headers[where, prefix] = check_whole(prefix)
+            headers[where, prefix] = _token_files(prefix, where)
     if named:
         found.notes.append(f"data: {len(headers)} of {len(named)} token files whole")
     return headers
+
+
+def _token_files(prefix: str, where: str) -> IndexHeader:
+    """The header of one prefix named by recipe field `where`: both files there, whole."""
+    check_prefixes([prefix], lambda _: where)
+    return check_whole(prefix)
 
 
 def _tokenizer(recipe: Recipe, headers: dict, found: Findings) -> None:
