@@ -84,11 +84,14 @@ def check(source: RecipeSource, target: Target) -> int:
 
 
 def findings(source: RecipeSource, target: Target) -> Findings:
+    """Every check of the module docstring, in its order, on the recipe as loaded (a field
+    with a problem at its default)."""
     recipe, problems = source.load()
     found = Findings(problems=list(problems))
     if recipe is None:  # a required part is missing: nothing else can be checked
         return found
-    found.notes.append(f"fields: {len(problems) or 'no'} problems")
+    found.notes.append(f"fields: {len(problems)} problem(s)" if problems else
+                       "fields: no problems")
     with found.catch():
         check_trainable(recipe)
     with found.catch():
