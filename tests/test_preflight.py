@@ -159,3 +159,19 @@ def test_memory_that_does_not_fit_is_a_problem_naming_the_flags(capsys):
                            "GPU: ") and line.endswith(" GB predicted on 1 x 1 h100, more than "
                                                       "its 80 GB (tools/plan_step.py shows "
                                                       "the parts)")
+
+
+def test_token_files_too_narrow_for_the_tokenizers_ids_are_another_tokenizers(
+        ready, tmp_path, capsys):
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    narrow = str(tmp_path / "narrow")
+    builder = IndexedDatasetBuilder(narrow + ".bin", dtype=np.int8)
+    builder.add_document(torch.tensor([5, 6, 7]), [3])
+    builder.finalize(narrow + ".idx")
+    code, _, err = run(capsys, "--recipe", ready, "--check", f"data.validation={{x: {narrow}}}")
+    assert code == 2
+    assert err[:-1] == [f"error: data.validation.x: {narrow}.idx holds int8 tokens, too narrow "
+                        "for this tokenizer's 600 ids: written with another tokenizer"]
