@@ -102,6 +102,11 @@ def test_a_stage_before_its_predecessor_finished_is_refused(tmp_path):
             f"checkpoint, {run / 'iter_0000008'}, is at step 8 of its train.steps=10 (train it "
             f"to the end, or name {run / 'iter_0000008'} to start from it as it is)")
     assert stage_start(str(run / "iter_0000008")) == run / "iter_0000008"  # named as it is
+    for folder in run.glob("iter_*"):
+        (folder / "COMPLETE").unlink()
+    with pytest.raises(UserError, match=r"^train\.init_from: .*stage1\.yaml: .*stage1 holds no "
+                                        r"whole checkpoint \(each one refused above\)$"):
+        stage_start(str(path))
     with pytest.raises(UserError, match=r"^train\.init_from: .*stage2\.yaml: its run folder "
                                         r".*stage2 does not exist: that stage has not started$"):
         stage_start(_missing_stage(tmp_path))

@@ -191,7 +191,11 @@ def _stage_start(init_from: str) -> Path:
                             "has not started")
     if (source / checkpoint.COMPLETE).is_file() or not source.is_dir():
         return checkpoint.resolve(source)  # a checkpoint folder, named as it is
-    ckpt = resume_point(source, None, say=lambda line: print(line, flush=True))
+    try:
+        ckpt = resume_point(source, None, say=lambda line: print(line, flush=True))
+    except UserError:
+        raise UserError(f"{init_from}: {source} holds no whole checkpoint (each one refused "
+                        "above)") from None
     if ckpt is None:
         raise UserError(f"{init_from}: {source} holds no checkpoint: that stage has not saved one")
     if not (ckpt / TRAIN_STATE).is_file():
