@@ -4,6 +4,7 @@
       latest                 "iter_0000200": the newest complete checkpoint
       iter_0000200/
         recipe.yaml          the resolved recipe the model was built from
+        CODE_VERSION         the code that saved it (git describe; code_version.py)
         model/               megatron dist checkpoint of StemGPTModel.sharded_state_dict()
         optim/               optimizer states (dense and tables), a dist checkpoint too
         train_state.pt       step, data position, RNG states
@@ -43,12 +44,14 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 )
 
 from megatron_stem import checksums, storage
+from megatron_stem.code_version import code_version
 from megatron_stem.config import Recipe, from_dict, to_dict, upgrade_saved_recipe
 from megatron_stem.errors import UserError
 
 LATEST = "latest"
 COMPLETE = "COMPLETE"
 RECIPE = "recipe.yaml"
+CODE_VERSION = "CODE_VERSION"  # git describe of the code that saved it
 MODEL = "model"
 _ITER = re.compile(r"^iter_(\d{7,})$")
 
@@ -224,6 +227,7 @@ class Writer:
             shutil.rmtree(self.tmp, ignore_errors=True)  # leftovers of a crashed save
             self.tmp.mkdir()
             (self.tmp / RECIPE).write_text(yaml.safe_dump(to_dict(self.recipe), sort_keys=False))
+            (self.tmp / CODE_VERSION).write_text(code_version() + "\n")
         _barrier()
         return self.tmp
 

@@ -8,8 +8,10 @@ message starts with the dotted path of the offending field.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import functools
 import math
 import re
 import types
@@ -29,35 +31,73 @@ from megatron_stem.training.tables.layout import TableLayout
 
 
 def from_dict(cls: type, data: Any, where: str = ""):
-    """Build dataclass `cls` from a mapping, checking names and types recursively."""
+    """Build dataclass `cls` from a mapping, checking names and types recursively; the
+    first problem found is raised (`collect` finds them all)."""
+    obj, problems = collect(cls, data, where)
+    if problems:
+        raise ConfigError(problems[0])
+    return obj
+
+
+def collect(cls: type, data: Any, where: str = "") -> tuple[Any, list[str]]:
+    """(`cls` built from `data`, every problem found on the way, one line each). A field
+    with a problem keeps its default, and the cross-field rules (`validate()`) are checked
+    only in a part whose fields are all valid, so no problem follows from another; the
+    object is None when a required part could not be built."""
+    problems: list[str] = []
+    try:
+        return _build(cls, data, where, problems), problems
+    except _Unbuilt:
+        return None, problems
+
+
+class _Unbuilt(Exception):
+    """A part that could not become its dataclass; its problems are listed already."""
+
+
+def _build(cls: type, data: Any, where: str, problems: list[str]):
     label = where.rstrip(".") or "recipe"
     if not isinstance(data, dict):
-        raise ConfigError(f"{label}: expected a mapping, got {type(data).__name__}")
+        problems.append(f"{label}: expected a mapping, got {type(data).__name__}")
+        raise _Unbuilt
+    before = len(problems)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     moved = getattr(cls, "MOVED", {})
     for key in data:
         if key in moved:
-            raise ConfigError(f"{where}{key}: moved to {moved[key]}")
-        if key not in fields:
+            problems.append(f"{where}{key}: moved to {moved[key]}")
+        elif key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ConfigError(f"{where}{key}: unknown field{hint}")
+            problems.append(f"{where}{key}: unknown field{hint}")
     hints = typing.get_type_hints(cls)
-    kwargs = {}
+    kwargs, unbuilt = {}, False
     for name, f in fields.items():
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if name in data:
-            kwargs[name] = _coerce(data[name], hints[name], f"{where}{name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"{where}{name}: required field is missing")
+            try:
+                kwargs[name] = _coerce(data[name], hints[name], f"{where}{name}", problems)
+            except ConfigError as e:
+                problems.append(str(e))
+            except _Unbuilt:
+                pass
+        elif required:
+            problems.append(f"{where}{name}: required field is missing")
+        unbuilt |= required and name not in kwargs
+    if unbuilt:
+        raise _Unbuilt
     obj = cls(**kwargs)
     for name, allowed in getattr(cls, "RANGES", {}).items():
-        allowed.check(getattr(obj, name), f"{where}{name}")
+        try:
+            allowed.check(getattr(obj, name), f"{where}{name}")
+        except ConfigError as e:
+            problems.append(str(e))
     validate = getattr(obj, "validate", None)
-    if validate is not None:
+    if validate is not None and len(problems) == before:
         try:
             validate()
         except ConfigError as e:
-            raise ConfigError(f"{where}{e}") from None
+            problems.append(f"{where}{e}")
     return obj
 
 
@@ -89,23 +129,24 @@ def _bound(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
-def _coerce(value: Any, typ: Any, where: str):
+def _coerce(value: Any, typ: Any, where: str, problems: list[str]):
+    """`value` as type `typ`, or a ConfigError; a dataclass's problems go to `problems`."""
     origin = typing.get_origin(typ)
     if dataclasses.is_dataclass(typ):
-        return from_dict(typ, value, where + ".")
+        return _build(typ, value, where + ".", problems)
     if origin in (Union, types.UnionType):
         options = typing.get_args(typ)
         if value is None and type(None) in options:
             return None
         if len(options) == 2 and type(None) in options:  # Optional: its type's own message
             (option,) = [o for o in options if o is not type(None)]
-            return _coerce(value, option, where)
+            return _coerce(value, option, where, problems)
         errors = []
         for option in options:
             if option is type(None):
                 continue
             try:
-                return _coerce(value, option, where)
+                return _coerce(value, option, where, problems)
             except ConfigError as e:
                 errors.append(str(e).split(": ", 1)[-1])
         raise ConfigError(f"{where}: {' or '.join(errors)}")
@@ -120,12 +161,12 @@ def _coerce(value: Any, typ: Any, where: str):
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         (item,) = typing.get_args(typ)
-        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [_coerce(v, item, f"{where}[{i}]", problems) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         _, item = typing.get_args(typ)
-        return {k: _coerce(v, item, f"{where}.{k}") for k, v in value.items()}
+        return {k: _coerce(v, item, f"{where}.{k}", problems) for k, v in value.items()}
     if typ is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true/false, got {value!r}")
@@ -170,17 +211,32 @@ def _number(value: Any, typ: type, where: str):
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested mapping in place."""
     for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"command line: {item}: expected the form section.field=value")
-        node = data
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"command line: {item}: '{part}' is not a section")
-        node[leaf] = yaml.safe_load(raw)
+        apply_override(data, item)
     return data
+
+
+def apply_override(data: dict, item: str) -> None:
+    """One `a.b.c=value` override: the value (parsed as YAML) replaces what `data` holds."""
+    key, value = parse_override(item)
+    node = data
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"command line: {item}: '{part}' is not a section")
+    node[leaf] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """(dotted key, value) of an `a.b.c=value` override."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"command line: {item}: expected the form section.field=value")
+    try:
+        return key, yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"command line: {item}: not a YAML value ({problem})") from None
 
 
 def to_dict(obj) -> dict:
@@ -633,7 +689,9 @@ class TrainConfig:
     keep_last: int = 3
     save_dir: str = "runs/default"
     # A checkpoint whose model weights (backbone and tables) start a new run: the previous
-    # stage's iter_N (or its save dir: the `latest` one), or the output of tools/from_hf.py.
+    # stage by its recipe or run folder (its last complete checkpoint, refused until that
+    # stage has finished: training/checkpointing.py `stage_start`), an iter_N folder, or the
+    # output of tools/from_hf.py.
     # Ignored once save_dir holds a checkpoint to resume. The new run keeps its own step
     # count, schedule, data, save_dir and logs; only the parameters' shapes must match.
     init_from: Optional[str] = None
@@ -787,15 +845,16 @@ class Recipe:
         TableLayout.of(self).validate()  # the rules across both table sections
 
 
-def _read_yaml(path: Path, chain: tuple = ()) -> dict:
-    """A recipe's mapping, with `inherit: other.yaml` (relative to the file) merged under it."""
+def _read_layers(path: Path, chain: tuple = ()) -> list[tuple[Path, dict]]:
+    """A recipe file's mapping after those it inherits from (`inherit: other.yaml`,
+    relative to the file), the furthest ancestor first."""
     if path in chain:
         raise ConfigError(f"{path}: inherit cycle through {' -> '.join(map(str, chain))}")
     data = _read_mapping(path, "recipe")
     parent = data.pop("inherit", None)
-    if parent is None:
-        return data
-    return _deep_merge(_read_yaml((path.parent / parent).resolve(), chain + (path,)), data)
+    above = [] if parent is None else \
+        _read_layers((path.parent / parent).resolve(), chain + (path,))
+    return above + [(path, data)]
 
 
 def _read_mapping(path: Path, what: str) -> dict:
@@ -820,26 +879,125 @@ def _deep_merge(base: dict, top: dict) -> dict:
 
 
 def load_recipe(path: str | Path, overrides: list[str] = (), cls: type = Recipe):
-    """Read a YAML recipe (following `inherit:`), apply dotted overrides, validate."""
-    path = Path(path).resolve()
-    data = apply_overrides(_read_yaml(path), list(overrides))
-    try:
-        return from_dict(cls, data)
-    except ConfigError as e:
-        raise ConfigError(_blame(str(e), path, list(overrides))) from None
+    """Read a YAML recipe (following `inherit:`), apply dotted overrides, validate; the
+    first problem is raised, named by the file or override it came from."""
+    recipe, problems = RecipeSource.read(path, overrides).load(cls)
+    if problems:
+        raise ConfigError(problems[0])
+    return recipe
 
 
-def _blame(error: str, path: Path, overrides: list[str]) -> str:
-    """`error` ("field: problem") prefixed by where the field's value came from: the last
-    command-line override that set it (or a section holding it), else the recipe file."""
-    field, _, problem = error.partition(": ")
-    for item in reversed(overrides):
-        key = item.partition("=")[0]
-        if field == key:
-            return f"command line: {item}: {problem}"
-        if _within(field, key) or _within(key, field):
-            return f"command line: {item}: {error}"
-    return f"{path}: {error}"
+OVERRIDE = "override"  # the origin of a value given on the command line
+DEFAULT = "default"  # the origin of a value no file nor override sets
+
+
+@dataclass
+class RecipeSource:
+    """A recipe as written: its files (the `inherit:` chain, the furthest ancestor first)
+    and the command-line overrides applied over them, in order. Knows which of them
+    each value came from (`origins`) and blames each problem on one (`load`)."""
+
+    path: Path
+    layers: list[tuple[Path, dict]]
+    overrides: list[str]
+
+    @classmethod
+    def read(cls, path: str | Path, overrides: list[str] = ()) -> "RecipeSource":
+        path = Path(path).resolve()
+        return cls(path, _read_layers(path), list(overrides))
+
+    def mapping(self, overrides: int | None = None) -> tuple[dict, list[str]]:
+        """(the merged mapping with the first `overrides` overrides applied (default all),
+        the problems of overrides that could not be applied)."""
+        data: dict = {}
+        for _, layer in self.layers:
+            data = _deep_merge(data, layer)
+        data = copy.deepcopy(data)  # the overrides change it in place, never the layers
+        problems = []
+        for item in self.overrides[:overrides]:
+            try:
+                apply_override(data, item)
+            except ConfigError as e:
+                problems.append(str(e))
+        return data, problems
+
+    def load(self, cls: type = Recipe) -> tuple[Any, list[str]]:
+        """(the recipe, or None if it could not be built; every problem, each naming the
+        override or file it came from)."""
+        data, problems = self.mapping()
+        recipe, found = collect(cls, data)
+        if not found:
+            return recipe, problems
+        found_with = functools.cache(lambda count: collect(cls, self.mapping(count)[0])[1])
+        return recipe, problems + [self._blame(p, found_with) for p in found]
+
+    def origins(self) -> dict[str, str]:
+        """{dotted key: the file (absolute path) or `OVERRIDE` that set it}, for every
+        value set; a key absent has its default."""
+        out: dict[str, str] = {}
+        for path, layer in self.layers:
+            _note_origins(out, "", layer, str(path))
+        for item in self.overrides:
+            try:
+                key, value = parse_override(item)
+            except ConfigError:
+                continue
+            _drop_origins(out, key)  # an override replaces, even a whole section
+            _note_origins(out, key, value, OVERRIDE)
+        return out
+
+    def _blame(self, problem: str, found_with) -> str:
+        """`problem` ("field: what") prefixed by where the field's value came from: the last
+        override that set it (or a section holding it); else the first override after which
+        the problem appears (a rule across fields that it broke); else the recipe file
+        (and the inherited file that set the field, when another)."""
+        if problem.startswith("command line: "):
+            return problem
+        field, _, what = problem.partition(": ")
+        for item in reversed(self.overrides):
+            key = item.partition("=")[0]
+            if field == key:
+                return f"command line: {item}: {what}"
+            if _within(field, key) or _within(key, field):
+                return f"command line: {item}: {problem}"
+        first = next((n for n in range(len(self.overrides) + 1) if problem in found_with(n)),
+                     0)
+        if first:
+            return f"command line: {self.overrides[first - 1]}: {problem}"
+        origin = origin_of(self.origins(), field)
+        where = f" (set in {origin})" if origin not in (None, OVERRIDE, str(self.path)) else ""
+        return f"{self.path}: {problem}{where}"
+
+
+def origin_of(origins: dict[str, str], field: str) -> str | None:
+    """Who set `field` (or the section holding it), of `RecipeSource.origins()`; None if
+    nobody did."""
+    key = field
+    while key and key not in origins:
+        key = _parent(key)
+    return origins.get(key)
+
+
+def _parent(key: str) -> str:
+    """The section or list holding a dotted field (`a.b[0].c` -> `a.b[0]` -> `a.b`)."""
+    cut = max(key.rfind("."), key.rfind("["))
+    return key[:cut] if cut > 0 else ""
+
+
+def _note_origins(out: dict, prefix: str, value: Any, origin: str) -> None:
+    """Record `origin` for every leaf of `value` set at `prefix` (mappings merge, anything
+    else replaces what was there)."""
+    if isinstance(value, dict) and value:
+        for key, item in value.items():
+            _note_origins(out, f"{prefix}.{key}" if prefix else str(key), item, origin)
+        return
+    _drop_origins(out, prefix)
+    out[prefix] = origin
+
+
+def _drop_origins(out: dict, key: str) -> None:
+    for known in [k for k in out if k == key or _within(k, key)]:
+        del out[known]
 
 
 def _within(field: str, section: str) -> bool:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_stem import quiet
-from megatron_stem.config import Recipe, load_recipe
+from megatron_stem.config import Recipe, RecipeSource, load_recipe
 from megatron_stem.errors import ConfigError, UserError, cli
 from megatron_stem.evaluation.in_loop import DownstreamEval
 from megatron_stem.model import build_model
@@ -90,6 +90,14 @@ def use_deterministic_kernels() -> None:
     if torch.cuda.is_available():
         for backend in ("flash", "mem_efficient", "cudnn"):
             getattr(torch.backends.cuda, f"enable_{backend}_sdp")(False)
+
+
+def check_trainable(recipe: Recipe) -> None:
+    """Refuse what a recipe may describe but this trainer does not run."""
+    if recipe.parallel.pipeline_parallel > 1:
+        raise ConfigError("parallel.pipeline_parallel: training runs under the DeepSpeed "
+                          "engine, which cannot pipeline a megatron model; use tensor "
+                          "parallelism (checkpoints saved this way load at any PP)")
 
 
 def _mean_over_dp(value: float) -> float:
@@ -182,10 +190,7 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     check_gpus_visible()
     if train.deterministic:
         use_deterministic_kernels()
-    if recipe.parallel.pipeline_parallel > 1:
-        raise ConfigError("parallel.pipeline_parallel: training runs under the DeepSpeed "
-                          "engine, which cannot pipeline a megatron model; use tensor "
-                          "parallelism (checkpoints saved this way load at any PP)")
+    check_trainable(recipe)
     finished = finished_step(recipe)
     if finished is not None:
         return {"losses": [], "valid": [], "valid_sets": {}, "downstream": [],
@@ -286,7 +291,27 @@ def main(argv=None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", required=True, help="a YAML file in recipes/")
     parser.add_argument("overrides", nargs="*", help="section.field=value (YAML values)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved recipe, each value with the file or override "
+                             "it came from, and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="run every check that can run before training (fields, data "
+                             "files, tokenizer, checkpoints, memory per GPU) and exit: 2 and "
+                             "every problem, one per line, if any")
+    parser.add_argument("--nodes", type=int, default=1, help="--check: nodes of the job")
+    parser.add_argument("--gpus-per-node", type=int,
+                        help="--check: GPUs per node (checks the layout and memory per GPU)")
+    parser.add_argument("--hardware", default="h200",
+                        help="--check: the GPU whose memory to plan for (h100, h200)")
     args = parser.parse_args(argv)
+    if args.print_config or args.check:
+        from megatron_stem import preflight  # noqa: PLC0415 (it imports this module)
+
+        source = RecipeSource.read(args.recipe, args.overrides)
+        if args.print_config:
+            return preflight.print_config(source)
+        return preflight.check(source, preflight.Target(args.nodes, args.gpus_per_node,
+                                                        args.hardware))
     quiet.other_ranks_quiet()
     result = run(load_recipe(args.recipe, args.overrides))
     return EXIT_REQUEUE if result["preempted"] else 0

@@ -31,6 +31,11 @@
 #   STEM_SHUTDOWN_TIMEOUT seconds the ranks get to save after a stop signal (default: 600)
 #   STEM_BUILD_DATA_CACHE 1: first build the data cache on this node (tools/build_data_cache.py,
 #                         nothing to do once built; the 1B stages' sbatch files set it); 0: no
+#   STEM_CONTAINER        run the ranks in a container: an image for pyxis/enroot (a name such as
+#                         nvcr.io#nvidia/pytorch:24.05-py3, or a .sqsh file: srun --container-image)
+#                         or an Apptainer/Singularity .sif (apptainer exec --nv)
+#   STEM_CONTAINER_MOUNTS more host folders for the container, src[:dst] comma-separated (the
+#                         working directory and the job's code snapshot are always mounted)
 # NCCL_* / TORCH_NCCL_* variables already set are kept (see "NCCL defaults" below).
 
 stem_log() { echo "stem: $*"; }
@@ -76,7 +81,8 @@ if [[ -n ${STEM_SETUP:-} ]]; then
     source "$STEM_SETUP" || stem_die "STEM_SETUP: sourcing $STEM_SETUP failed"
 fi
 _stem_venv=${STEM_VENV:-}
-[[ -z $_stem_venv && -f $STEM_ROOT/.venv/bin/activate ]] && _stem_venv=$STEM_ROOT/.venv
+[[ -z $_stem_venv && -z ${STEM_CONTAINER:-} && -f $STEM_ROOT/.venv/bin/activate ]] &&
+    _stem_venv=$STEM_ROOT/.venv  # (a container brings its own Python)
 if [[ -n $_stem_venv ]]; then
     [[ -f $_stem_venv/bin/activate ]] || stem_die "STEM_VENV: $_stem_venv/bin/activate not found"
     # shellcheck disable=SC1091
@@ -85,6 +91,7 @@ fi
 set -uo pipefail
 # This checkout's code runs, whatever copy of megatron_stem the environment has installed.
 export PYTHONPATH=$STEM_ROOT${PYTHONPATH:+:$PYTHONPATH}
+[[ -n ${STEM_CONTAINER:-} ]] ||
 python -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('torch') and u.find_spec('deepspeed')))" \
     2>/dev/null || stem_die "$(command -v python || echo python) cannot import torch and deepspeed:" \
     "set STEM_VENV (a virtualenv with requirements.txt installed), STEM_MODULES or STEM_SETUP"
@@ -174,6 +181,41 @@ mkdir -p "$_stem_save_dir" "$_stem_job_dir" || stem_die "cannot create $_stem_sa
 _stem_stdout=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *StdOut=//p')
 [[ -n $_stem_stdout ]] && ln -sfn "$_stem_stdout" "$_stem_job_dir/slurm.out"
 
+# --- the code this job runs, and where -------------------------------------------------
+# A job that runs for days runs one version of the code: its first start copies the
+# checkout's package and launcher into the job's folder (jobs/<id>/code), its requeues
+# (SLURM_RESTART_COUNT > 0) run that copy again, whatever the checkout holds by then (a
+# `git pull`, an edit). The version (git describe --always --dirty of the checkout when
+# copied) is in the job's log and in every checkpoint (its CODE_VERSION file).
+_stem_code=$_stem_job_dir/code
+if [[ ! -f $_stem_code/VERSION ]]; then
+    (( _stem_restart > 0 )) &&
+        stem_log "warning: restart $_stem_restart of job $SLURM_JOB_ID has no code snapshot in $_stem_code: taking the checkout's code now"
+    rm -rf "$_stem_code.tmp" && mkdir -p "$_stem_code.tmp" &&
+        tar -C "$STEM_ROOT" --exclude=__pycache__ -cf - megatron_stem slurm | tar -C "$_stem_code.tmp" -xf - &&
+        { git -C "$STEM_ROOT" describe --always --dirty 2>/dev/null || echo "unknown (not a git checkout)"; } \
+            >"$_stem_code.tmp/VERSION" &&
+        mv "$_stem_code.tmp" "$_stem_code" ||
+        stem_die "cannot copy the code of $STEM_ROOT to $_stem_code"
+    _stem_code_from="copied from $STEM_ROOT"
+else
+    _stem_code_from="the job's snapshot, reused by restart $_stem_restart"
+fi
+export STEM_CODE_VERSION; STEM_CODE_VERSION=$(cat "$_stem_code/VERSION")
+export PYTHONPATH=$_stem_code${PYTHONPATH#"$STEM_ROOT"}  # instead of the live checkout
+# The ranks' command: python itself, or in a container (srun's options for pyxis).
+_stem_python=(python)
+_stem_srun_container=()
+_stem_mounts="$PWD,$_stem_code${STEM_CONTAINER_MOUNTS:+,$STEM_CONTAINER_MOUNTS}"
+if [[ ${STEM_CONTAINER:-} = *.sif ]]; then
+    _stem_python=(apptainer exec --nv --bind "$_stem_mounts" --pwd "$PWD" "$STEM_CONTAINER" python)
+elif [[ -n ${STEM_CONTAINER:-} ]]; then
+    _stem_srun_container=(--container-image="$STEM_CONTAINER" --container-mounts="$_stem_mounts"
+                          --container-workdir="$PWD")
+fi
+printf -v _stem_python_q '%q ' "${_stem_python[@]}"  # for the per-node command line
+# -----------------------------------------------------------------------------------------
+
 _stem_args=(--recipe "$_stem_recipe" "train.save_dir=$_stem_save_dir")
 if [[ ${STEM_DATA:-} = *[![:space:]]* ]]; then
     read -r -a _stem_prefixes <<<"$STEM_DATA"
@@ -203,7 +245,7 @@ _stem_torchrun=(
 # node id, not by matching host names.
 # shellcheck disable=SC2016  # expanded by the per-node bash
 _stem_node_cmd='echo "stem: node $SLURM_NODEID/$SLURM_NNODES is $(hostname): torchrun with '"$_stem_procs"' rank(s)"
-exec python "$0" --rdzv-conf="is_host=$((SLURM_NODEID == 0)),read_timeout=300" "$@"'
+exec '"$_stem_python_q"' "$0" --rdzv-conf="is_host=$((SLURM_NODEID == 0)),read_timeout=300" "$@"'
 
 _stem_latest() { cat "$_stem_save_dir/latest" 2>/dev/null || echo "none"; }
 
@@ -211,19 +253,25 @@ _stem_latest() { cat "$_stem_save_dir/latest" 2>/dev/null || echo "none"; }
     echo "=== $(date '+%F %T') job $SLURM_JOB_ID restart $_stem_restart on $SLURM_JOB_NODELIST"
     echo "cwd: $PWD"
     echo "checkout: $STEM_ROOT ($(git -C "$STEM_ROOT" describe --always --dirty 2>/dev/null || echo 'not a git checkout'))"
+    echo "code: $STEM_CODE_VERSION in $_stem_code ($_stem_code_from)"
+    echo "container: ${STEM_CONTAINER:-none}"
     echo "python: $(command -v python)"
-    echo "command: srun ... python $STEM_ROOT/slurm/torchrun.py ${_stem_torchrun[*]}"
+    echo "command: srun ${_stem_srun_container[*]} ... ${_stem_python[*]} $_stem_code/slurm/torchrun.py ${_stem_torchrun[*]}"
     env | grep -E '^(STEM_|NCCL_|TORCH_NCCL_|OMP_NUM_THREADS|CUDA_VISIBLE_DEVICES|SLURM_(JOB_|GPUS|CPUS|NNODES|RESTART))' | sort
 } >>"$_stem_job_dir/launch.log"
 
 stem_log "job $SLURM_JOB_ID (restart $_stem_restart) $(date '+%F %T'): $_stem_nnodes node(s) x $_stem_procs rank(s) ($_stem_procs_from) on $SLURM_JOB_NODELIST, rendezvous $_stem_master:$_stem_port"
 stem_log "recipe $_stem_recipe | checkpoints $_stem_save_dir (latest: $(_stem_latest)) | job files $_stem_job_dir"
+stem_log "code $STEM_CODE_VERSION ($_stem_code_from)${STEM_CONTAINER:+ | container $STEM_CONTAINER}"
 
 # --- the data cache: built here, before any rank starts, so that no rank waits for rank 0
 # under the process groups' timeout (docs/data.md, "At scale") ---------------------------
 if [[ ${STEM_BUILD_DATA_CACHE:-0} == 1 ]] && (( ! _stem_stop )); then
-    stem_log "data cache: tools/build_data_cache.py on $(hostname) with $_stem_cpus CPUs"
-    python "$STEM_ROOT/tools/build_data_cache.py" "${_stem_args[@]}" \
+    stem_log "data cache: tools/build_data_cache.py on one node with $_stem_cpus CPUs"
+    # On one node, in the ranks' environment (container included), with the job's code.
+    srun --nodes=1 --ntasks=1 --cpus-per-task="$_stem_cpus" \
+        ${_stem_srun_container[@]+"${_stem_srun_container[@]}"} "${_stem_python[@]}" \
+        "$STEM_ROOT/tools/build_data_cache.py" "${_stem_args[@]}" \
         --ranks $(( _stem_nnodes * _stem_procs )) --workers "$_stem_cpus" ||
         (( _stem_stop )) || stem_die "building the data cache failed (see above)"
 fi
@@ -232,8 +280,8 @@ fi
 _stem_rc=0
 if (( ! _stem_stop )); then  # (a stop during the set-up: nothing to save, just requeue)
     srun --kill-on-bad-exit=1 --nodes="$_stem_nnodes" --ntasks-per-node=1 \
-        --cpus-per-task="$_stem_cpus" bash -c "$_stem_node_cmd" "$STEM_ROOT/slurm/torchrun.py" \
-        "${_stem_torchrun[@]}" &
+        --cpus-per-task="$_stem_cpus" ${_stem_srun_container[@]+"${_stem_srun_container[@]}"} \
+        bash -c "$_stem_node_cmd" "$_stem_code/slurm/torchrun.py" "${_stem_torchrun[@]}" &
     _stem_srun=$!
     # `wait` returns early whenever a trapped signal arrives: keep waiting while srun lives.
     while kill -0 "$_stem_srun" 2>/dev/null; do

@@ -195,7 +195,7 @@ def test_numbers_as_people_type_them_in_recipes_and_overrides(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["lm_eval.interval=100"], f"{ROOT / 'recipes' / 'tiny_cpu.yaml'}: lm_eval.tasks: none "
+    (["lm_eval.interval=100"], "command line: lm_eval.interval=100: lm_eval.tasks: none "
                                "given to run every 100 steps (lm_eval.interval=0 turns it off)"),
     (["lm_eval.tasks=[hellaswag]", "lm_eval.interval=-1"],
      "command line: lm_eval.interval=-1: must be positive, got -1"),
@@ -243,3 +243,32 @@ def test_a_nonsense_number_in_a_recipe_file_names_the_field(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_recipe(recipe)
     assert str(e.value) == f"{recipe}: optimizer.lr: expected a finite number, got nan"
+
+
+def test_an_override_that_breaks_a_rule_across_fields_is_named():
+    with pytest.raises(ConfigError) as e:
+        load_recipe(ROOT / "recipes" / "dense_1b.yaml", ["train.micro_batch_size=3"])
+    assert str(e.value) == "command line: train.micro_batch_size=3: train.global_batch_size: " \
+                           "512 is not a multiple of micro_batch_size=3"
+
+
+def test_every_problem_is_found_at_once_each_named_by_its_file_or_override(tmp_path):
+    """What `train --check` lists: a field's problem does not hide another's, and none is
+    reported that only follows from another (train's rules wait for its fields)."""
+    from megatron_stem.config import RecipeSource
+
+    (tmp_path / "base.yaml").write_text((ROOT / "recipes" / "tiny_cpu.yaml").read_text()
+                                        + "guard:\n  spike_window: 0\n")
+    (tmp_path / "mine.yaml").write_text("inherit: base.yaml\nmodel:\n  hiden_size: 3\n"
+                                        "train:\n  steps: many\n")
+    recipe, problems = RecipeSource.read(tmp_path / "mine.yaml", [
+        "optimizer.lr=fast", "data.split=[1", "train.micro_batch_size=3"]).load()
+    mine = tmp_path / "mine.yaml"
+    assert problems == [
+        "command line: data.split=[1: not a YAML value (expected ',' or ']', but got "
+        "'<stream end>')",
+        f"{mine}: model.hiden_size: unknown field (did you mean 'hidden_size'?)",
+        "command line: optimizer.lr=fast: expected a number, got 'fast'",
+        f"{mine}: train.steps: expected an integer, got 'many'",
+        f"{mine}: guard.spike_window: must be >= 1, got 0 (set in {tmp_path / 'base.yaml'})"]
+    assert recipe.optimizer.lr == 4e-4 and recipe.model.hidden_size == 128  # the valid rest

@@ -150,6 +150,11 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, corpus_data, tm
     assert steps_logged(second) == list(range(stop + 1, STEPS + 1)), second
     assert "stem: training finished" in second
     assert (ckpts / "latest").read_text().strip() == f"iter_{STEPS:07d}"
+    # Both runs ran the job's copy of the code, made by the first, its version recorded.
+    version = (jobs / "code" / "VERSION").read_text().strip()
+    assert f"stem: code {version} (copied from {ROOT})" in first
+    assert f"stem: code {version} (the job's snapshot, reused by restart 1)" in second
+    assert (ckpts / f"iter_{STEPS:07d}" / "CODE_VERSION").read_text().strip() == version
 
     # One TensorBoard run with every step exactly once, across the requeue.
     assert tensorboard_steps(ckpts / "tensorboard", "train/loss") == list(range(1, STEPS + 1))

@@ -14,6 +14,7 @@ through the ${a[@]+"${a[@]}"} idiom.
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -27,15 +28,21 @@ LAUNCH = ROOT / "slurm" / "launch.sh"
 
 STUBS = {
     "scontrol": 'case "$1 $2" in "show hostnames") echo node1 ;; esac',
-    # srun's own options, then the per-node command, run as node 0
-    "srun": 'while [[ $1 == --* ]]; do shift; done\n'
+    # srun's own options (recorded), then the per-node command, run as node 0
+    "srun": 'while [[ $1 == --* ]]; do echo "$1" >>"$STEM_TEST_ARGS.srun"; shift; done\n'
             'SLURM_NODEID=0 SLURM_NNODES=$SLURM_JOB_NUM_NODES exec "$@"',
-    # torchrun (slurm/torchrun.py): its arguments and threads recorded; anything else is
-    # launch.sh's "can import torch and deepspeed" check
-    "python": 'case $1 in *torchrun.py) shift; printf "%s\\n" "$@" >"$STEM_TEST_ARGS"\n'
+    # torchrun (slurm/torchrun.py): its arguments, path, threads and PYTHONPATH recorded;
+    # the data cache's build: its arguments; anything else is launch.sh's "can import
+    # torch and deepspeed" check
+    "python": 'case $1 in *torchrun.py) echo "$1" >"$STEM_TEST_ARGS.script"; shift\n'
+              '  printf "%s\\n" "$@" >"$STEM_TEST_ARGS"\n'
+              '  echo "$PYTHONPATH" >"$STEM_TEST_ARGS.pythonpath"\n'
               '  echo "$OMP_NUM_THREADS" >"$STEM_TEST_ARGS.threads"; echo torchrun >>"$STEM_TEST_ARGS.order" ;;\n'
               '  *build_data_cache.py) shift; printf "%s\\n" "$@" >"$STEM_TEST_ARGS.cache"\n'
               '  echo cache >>"$STEM_TEST_ARGS.order" ;; esac',
+    # Apptainer: its options recorded, then the command after the image, run on the host
+    "apptainer": 'echo "$@" >"$STEM_TEST_ARGS.apptainer"\n'
+                 'while [[ $1 != *.sif ]]; do shift; done; shift; exec "$@"',
 }
 
 
@@ -192,3 +199,78 @@ def test_arrays_that_can_be_empty_expand_safely_under_bash_4_2():
         bare = re.findall(r'(.?)"\$\{' + name + r'\[@\]\}"(.?)', text)
         guarded = [(before, after) for before, after in bare if (before, after) == ("+", "}")]
         assert bare == guarded, f"{name}: expand as ${{{name}[@]+\"${{{name}[@]}}\"}}"
+
+
+@pytest.mark.integration
+def test_a_job_runs_its_first_starts_copy_of_the_code_and_its_requeues_reuse_it(tmp_path):
+    """The first start copies the package and launcher into the job's folder and runs that
+    copy (PYTHONPATH, torchrun.py); a requeue runs the same copy, not the checkout."""
+    version = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
+                             capture_output=True, text=True).stdout.strip()
+    proc, _ = _run_launch(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    job = tmp_path / "runs" / "stem" / "jobs" / "4242"
+    code = job / "code"
+    assert (code / "megatron_stem" / "train.py").read_bytes() == \
+        (ROOT / "megatron_stem" / "train.py").read_bytes()
+    assert (code / "VERSION").read_text().strip() == version
+    assert (tmp_path / "srun_args.script").read_text().strip() == f"{code}/slurm/torchrun.py"
+    assert (tmp_path / "srun_args.pythonpath").read_text().strip().split(":")[0] == str(code)
+    assert str(ROOT) not in (tmp_path / "srun_args.pythonpath").read_text().strip().split(":")
+    assert f"stem: code {version} (copied from {ROOT})" in proc.stdout
+    assert f"code: {version} in {code}" in (job / "launch.log").read_text()
+
+    (code / "megatron_stem" / "train.py").write_text("# the job's copy\n")  # the same job,
+    for name in ("bin", "venv"):  # requeued: its copy runs, as it was
+        shutil.rmtree(tmp_path / name)
+    proc, _ = _run_launch(tmp_path, SLURM_RESTART_COUNT="1")
+    assert proc.returncode == 0, proc.stderr
+    assert (code / "megatron_stem" / "train.py").read_text() == "# the job's copy\n"
+    assert (tmp_path / "srun_args.pythonpath").read_text().strip().split(":")[0] == str(code)
+    assert "(the job's snapshot, reused by restart 1)" in proc.stdout
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("image", ["nvcr.io#nvidia/pytorch:24.05-py3", "/images/stem.sqsh"])
+def test_stem_container_runs_the_ranks_in_a_pyxis_container(tmp_path, image):
+    proc, args = _run_launch(tmp_path, STEM_CONTAINER=image, STEM_CONTAINER_MOUNTS="/data")
+    assert proc.returncode == 0, proc.stderr
+    code = tmp_path / "runs" / "stem" / "jobs" / "4242" / "code"
+    srun = (tmp_path / "srun_args.srun").read_text().splitlines()
+    assert srun[-3:] == [f"--container-image={image}",
+                         f"--container-mounts={tmp_path},{code},/data",
+                         f"--container-workdir={tmp_path}"]
+    assert args[-1].startswith("train.save_dir=") and not (tmp_path / "srun_args.apptainer").exists()
+
+
+@pytest.mark.integration
+def test_stem_container_runs_the_ranks_in_an_apptainer_image(tmp_path):
+    proc, args = _run_launch(tmp_path, STEM_CONTAINER="/images/stem.sif")
+    assert proc.returncode == 0, proc.stderr
+    code = tmp_path / "runs" / "stem" / "jobs" / "4242" / "code"
+    called = (tmp_path / "srun_args.apptainer").read_text().split()
+    assert called[:7] == ["exec", "--nv", "--bind", f"{tmp_path},{code}", "--pwd", str(tmp_path),
+                          "/images/stem.sif"]
+    assert called[7:9] == ["python", f"{code}/slurm/torchrun.py"]
+    assert "megatron_stem.train" in args
+    assert not any(line.startswith("--container") for line in
+                   (tmp_path / "srun_args.srun").read_text().splitlines())
+
+
+def test_every_checkpoint_records_the_code_that_saved_it(tmp_path, monkeypatch):
+    """The launcher's snapshot version (STEM_CODE_VERSION), else the checkout's."""
+    from megatron_stem import checkpoint
+    from megatron_stem.config import Recipe
+    from workers.common import tiny_model
+
+    version = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
+                             capture_output=True, text=True).stdout.strip()
+    monkeypatch.delenv("STEM_CODE_VERSION", raising=False)
+    with checkpoint.Writer(tmp_path, 1, Recipe(model=tiny_model())):
+        pass
+    assert (tmp_path / "iter_0000001" / "CODE_VERSION").read_text() == f"{version}\n"
+    monkeypatch.setenv("STEM_CODE_VERSION", "v1.2-3-gabcdef0")
+    with checkpoint.Writer(tmp_path, 2, Recipe(model=tiny_model())):
+        pass
+    assert (tmp_path / "iter_0000002" / "CODE_VERSION").read_text() == "v1.2-3-gabcdef0\n"
+    checkpoint.verify(tmp_path / "iter_0000002")  # part of what COMPLETE vouches for

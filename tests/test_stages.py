@@ -58,7 +58,8 @@ def sbatch_of(name: str) -> tuple[str, str]:
                          ids=[k for k, c in PIPELINES.items() if len(c) > 1])
 def test_each_stage_starts_from_the_last_checkpoint_of_the_one_before(chain):
     """Each stage has an sbatch file whose run folder is the recipe's save_dir, and the
-    next stage's init_from is that folder's last checkpoint, with the optimizer states."""
+    next stage's init_from names the stage before by its recipe (its run folder's last
+    checkpoint, once finished: below), with the optimizer states."""
     previous = None
     for name, _ in chain:
         r = recipe(name)
@@ -67,10 +68,76 @@ def test_each_stage_starts_from_the_last_checkpoint_of_the_one_before(chain):
         if previous is None:
             assert r.train.init_from is None
         else:
-            assert r.train.init_from == f"{previous.train.save_dir}/" \
-                f"{checkpoint.iter_name(previous.train.steps)}", name
+            assert r.train.init_from == f"recipes/{previous}.yaml", name
             assert r.train.init_optimizer
-        previous = r
+        previous = name
+
+
+def _stage_one(tmp_path, steps_done: list[int], steps: int = 10):
+    """A stage-1 recipe (train.steps=`steps`) whose run saved checkpoints at `steps_done`."""
+    import yaml
+
+    from megatron_stem.config import TrainConfig, to_dict
+    from megatron_stem.training.state import save_train_state
+
+    run = tmp_path / "stage1"
+    stage = Recipe(model=tiny_model(), train=TrainConfig(steps=steps, save_dir=str(run)))
+    for step in steps_done:
+        with checkpoint.Writer(run, step, stage) as folder:
+            save_train_state(folder, step, {})
+    path = tmp_path / "stage1.yaml"
+    path.write_text(yaml.safe_dump(to_dict(stage)))
+    return path, run
+
+
+def test_a_stage_before_its_predecessor_finished_is_refused(tmp_path):
+    from megatron_stem.training.checkpointing import stage_start
+
+    path, run = _stage_one(tmp_path, [4, 8])
+    for named in (path, run):  # by its recipe or its run folder
+        with pytest.raises(UserError) as e:
+            stage_start(str(named))
+        assert str(e.value) == (
+            f"train.init_from: {named}: that stage has not finished: its last complete "
+            f"checkpoint, {run / 'iter_0000008'}, is at step 8 of its train.steps=10 (train it "
+            f"to the end, or name {run / 'iter_0000008'} to start from it as it is)")
+    assert stage_start(str(run / "iter_0000008")) == run / "iter_0000008"  # named as it is
+    for folder in run.glob("iter_*"):
+        (folder / "COMPLETE").unlink()
+    with pytest.raises(UserError, match=r"^train\.init_from: .*stage1\.yaml: .*stage1 holds no "
+                                        r"whole checkpoint \(each one refused above\)$"):
+        stage_start(str(path))
+    with pytest.raises(UserError, match=r"^train\.init_from: .*stage2\.yaml: its run folder "
+                                        r".*stage2 does not exist: that stage has not started$"):
+        stage_start(_missing_stage(tmp_path))
+
+
+def _missing_stage(tmp_path) -> str:
+    import yaml
+
+    from megatron_stem.config import TrainConfig, to_dict
+
+    path = tmp_path / "stage2.yaml"
+    path.write_text(yaml.safe_dump(to_dict(Recipe(model=tiny_model(), train=TrainConfig(
+        save_dir=str(tmp_path / "stage2"))))))
+    return str(path)
+
+
+def test_a_finished_stage_is_found_by_its_recipe_or_run_folder(tmp_path):
+    from megatron_stem.config import TrainConfig
+    from megatron_stem.training.checkpointing import Checkpointer, stage_start
+
+    path, run = _stage_one(tmp_path, [5, 10])
+    assert stage_start(str(path)) == stage_start(str(run)) == run / "iter_0000010"
+    # The newest checkpoint damaged: the newest whole one before it, if it is at the end.
+    (run / "iter_0000010" / "train_state.pt").unlink()
+    with pytest.raises(UserError, match=r"is at step 5 of its train\.steps=10"):
+        stage_start(str(path))
+    path, _ = _stage_one(tmp_path, [], steps=5)  # the same run, its recipe at 5 steps
+    assert stage_start(str(path)) == run / "iter_0000005"
+    train = TrainConfig(save_dir=str(tmp_path / "stage2"), init_from=str(path))
+    start = Checkpointer(Recipe(model=tiny_model(), train=train))
+    assert start.origin() == f"initialized from {run / 'iter_0000005'} (weights)"
 
 
 def test_the_readme_walks_the_chain_with_the_recipes_paths():

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from megatron_stem import checkpoint
 from megatron_stem.background_save import BackgroundSave
-from megatron_stem.config import Recipe
+from megatron_stem.config import Recipe, load_recipe
 from megatron_stem.errors import UserError
 from megatron_stem.training.tables.shards import ROW_ORDER, check_row_order
 from megatron_stem.training.state import (
@@ -83,7 +83,7 @@ class Checkpointer:
         if self.resume_from is not None:
             _check_resumable(self.resume_from)
         init_from = recipe.train.init_from
-        self.init_from = checkpoint.resolve(init_from) \
+        self.init_from = stage_start(init_from) \
             if self.resume_from is None and init_from else None
         self.dense_source = self.init_from is not None and checkpoint.is_dense_source(
             checkpoint.read_recipe(self.init_from), recipe)
@@ -246,6 +246,46 @@ def _check_has_optimizer(ckpt: Path) -> None:
         raise UserError(f"train.init_optimizer: {ckpt} holds model weights only (an import "
                         "or an export source), no optimizer states to start from; set "
                         "train.init_optimizer=false to start a fresh optimizer from its weights")
+
+
+def stage_start(init_from: str) -> Path:
+    """The checkpoint `train.init_from` names: a checkpoint folder as it is (an iter_N, or
+    what tools/from_hf.py wrote), or the previous stage by its run folder (a save_dir) or its
+    recipe (whose train.save_dir is the run folder): that run's last complete checkpoint
+    (`latest`, or the newest whole one before it), refused while the stage has not trained
+    its train.steps (its recipe's, else those its checkpoint's recipe.yaml records)."""
+    try:
+        return _stage_start(init_from)
+    except UserError as e:
+        raise UserError(f"train.init_from: {e}") from None
+
+
+def _stage_start(init_from: str) -> Path:
+    source, steps = Path(init_from), None
+    if source.suffix in (".yaml", ".yml"):
+        previous = load_recipe(source)
+        source, steps = Path(previous.train.save_dir), previous.train.steps
+        if not source.is_dir():
+            raise UserError(f"{init_from}: its run folder {source} does not exist: that stage "
+                            "has not started")
+    if (source / checkpoint.COMPLETE).is_file() or not source.is_dir():
+        return checkpoint.resolve(source)  # a checkpoint folder, named as it is
+    try:
+        ckpt = resume_point(source, None, say=lambda line: print(line, flush=True))
+    except UserError:
+        raise UserError(f"{init_from}: {source} holds no whole checkpoint (each one refused "
+                        "above)") from None
+    if ckpt is None:
+        raise UserError(f"{init_from}: {source} holds no checkpoint: that stage has not saved one")
+    if not (ckpt / TRAIN_STATE).is_file():
+        return ckpt  # weights only (an import): no steps to have finished
+    step = load_train_state(ckpt)["step"]
+    steps = steps if steps is not None else checkpoint.read_recipe(ckpt).train.steps
+    if step < steps:
+        raise UserError(f"{init_from}: that stage has not finished: its last complete "
+                        f"checkpoint, {ckpt}, is at step {step} of its train.steps={steps} "
+                        f"(train it to the end, or name {ckpt} to start from it as it is)")
+    return ckpt
 
 
 def finished_step(recipe: Recipe) -> Optional[int]:
