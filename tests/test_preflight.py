@@ -93,7 +93,8 @@ def test_check_of_a_recipe_whose_files_are_not_here_names_each_missing_one(recip
     prefixes, _ = loaded.data.training_blend()
     for i, prefix in enumerate(prefixes):
         assert f"error: {loaded.data.field_of(i)}: {prefix}.bin not found (give the path " \
-               "without .bin/.idx, as written by preprocess_data.py)" in problems
+               "without .bin/.idx, or a prefix-set folder, as written by preprocess_data.py)" \
+            in problems
     assert sum(line.startswith("error: data.tokenizer_model: ") for line in problems) == 1
     init_from = loaded.train.init_from
     assert sum(line.startswith("error: train.init_from: ") for line in problems) == \
@@ -140,8 +141,8 @@ def test_check_lists_every_problem_at_once(ready, toy_data, hf_tokenizer, tmp_pa
     assert err == [
         "error: command line: train.save_interval=0: must be positive, got 0",
         "error: command line: guard.spike_factor=0.5: must be above 1 (or 0: off), got 0.5",
-        f"error: data.validation.held_out: {damaged}.bin: {size:,} bytes, but {damaged}.idx "
-        f"ends its last sequence at {size + 6:,} (not the pair that was written together)",
+        f"error: data.validation.held_out: {damaged}.bin is {size:,} bytes but its .idx "
+        f"needs {size + 6:,} bytes (truncated, or the .idx of another prefix)",
         f"error: data.tokenizer_model: {hf_tokenizer}: the tokenizer "
         f"has 600 tokens but the model's vocab_size is 512: not this model's tokenizer (its ids "
         "would index past the embedding and the STEM tables)",

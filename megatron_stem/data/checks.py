@@ -31,6 +31,13 @@ def size_text(n: int) -> str:
     return f"{n} B"
 
 
+def sizes_text(got: int, wanted: int) -> tuple[str, str]:
+    """Two sizes as people read them, in bytes where rounding would make them look equal."""
+    if size_text(got) == size_text(wanted):
+        return f"{got:,} bytes", f"{wanted:,} bytes"
+    return size_text(got), size_text(wanted)
+
+
 def check_token_files(prefix: str, vocab_size: Optional[int] = None) -> None:
     """Refuse, in one line naming the file, a `.bin/.idx` pair that cannot be read whole:
     an `.idx` that is not one, or cut short; a `.bin` that is empty, shorter or longer than
@@ -40,8 +47,9 @@ def check_token_files(prefix: str, vocab_size: Optional[int] = None) -> None:
     idx_bytes = os.path.getsize(idx_path(prefix))
     wanted = header.documents_offset + 8 * header.documents
     if idx_bytes != wanted:
-        raise UserError(f"{idx_path(prefix)} is {size_text(idx_bytes)} but its header needs "
-                        f"{size_text(wanted)} (truncated or damaged)")
+        got_text, wanted_text = sizes_text(idx_bytes, wanted)
+        raise UserError(f"{idx_path(prefix)} is {got_text} but its header needs "
+                        f"{wanted_text} (truncated or damaged)")
     itemsize = np.dtype(header.dtype).itemsize
     needed = _bin_bytes_needed(prefix, header, itemsize)
     got = os.path.getsize(bin_path(prefix))
@@ -49,8 +57,9 @@ def check_token_files(prefix: str, vocab_size: Optional[int] = None) -> None:
         raise UserError(f"{bin_path(prefix)} is empty but its .idx needs {size_text(needed)}")
     if got != needed:
         what = "truncated, or" if got < needed else "written with"
-        raise UserError(f"{bin_path(prefix)} is {size_text(got)} but its .idx needs "
-                        f"{size_text(needed)} ({what} the .idx of another prefix)")
+        got_text, needed_text = sizes_text(got, needed)
+        raise UserError(f"{bin_path(prefix)} is {got_text} but its .idx needs "
+                        f"{needed_text} ({what} the .idx of another prefix)")
     if vocab_size is not None and got:
         _check_sampled_ids(prefix, header.dtype, got // itemsize, vocab_size)
 
