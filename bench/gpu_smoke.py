@@ -82,7 +82,7 @@ def train(model: dict, overrides: dict, data, deterministic: bool) -> dict:
     from megatron_stem.training.engine import build_engine
 
     r = recipe(model, overrides)
-    torch.manual_seed(0)
+    # build_model reseeds megatron's RNG tracker: every variant starts from the same weights.
     engine, tables, update = build_engine(build_model(r.model, r.parallel, tables=r.tables), r)
     zero = engine.optimizer
     facts = {"optimizer": type(zero).__name__,

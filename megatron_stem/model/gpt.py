@@ -17,6 +17,7 @@ from megatron_stem.model import documents
 from megatron_stem.model.host_copy import HostCopy
 from megatron_stem.model.spec import block_spec
 from megatron_stem.model.table import StemTable
+from megatron_stem.parallel import seed_random_streams
 
 
 class StemGPTModel(GPTModel):
@@ -104,7 +105,9 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234,
                 params_dtype: torch.dtype = torch.float32,
                 tables: Optional[TableStorageConfig] = None) -> StemGPTModel:
     """This rank's part of the model (its TP shard of its pipeline stage). With
-    `tables.placement: host` the STEM tables go to host memory shared per node."""
+    `tables.placement: host` the STEM tables go to host memory shared per node. Every
+    build starts from `seed`'s weights, however many came before it in the process."""
+    seed_random_streams(seed)
     config = transformer_config(model, parallel, params_dtype)
     placement = tables.placement if tables is not None else "device"
     _quiet_unknown_mlp_warning()
