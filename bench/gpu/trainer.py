@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -111,8 +112,9 @@ def main(argv=None) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     log_path = Path(args.log or Path(args.figures).with_suffix(".log"))
     with open(log_path, "w") as log:
-        lines = run(args.recipe, args.overrides, args.steps, min(args.log_every, args.steps),
-                    log)
+        # a step line at step `--steps` itself
+        lines = run(args.recipe, args.overrides, args.steps,
+                    math.gcd(args.log_every, args.steps), log)
     result = figures(lines, recipe, args.steps)
     Path(args.figures).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
