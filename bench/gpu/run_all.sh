@@ -103,8 +103,8 @@ LOSS_CHECK=--no-loss-check train long_context 40 3 recipes/dense_1b.yaml data.re
     data.reset_attention_mask=true data.eod_mask_loss=true "model.seq_length=$LONG" \
     train.micro_batch_size=1 train.global_batch_size=1
 PROFILE="$OUT/h200.json"
-PAIR="--recipe recipes/stem_1b.yaml --baseline recipes/dense_1b.yaml --nodes 4
-      --gpus-per-node 8 --hardware h200 --profile $PROFILE"
+PAIR="--recipe recipes/stem_1b.yaml --baseline recipes/dense_1b.yaml --nodes 4 --gpus-per-node 8"
+PAIR+=" --hardware h200 --profile $PROFILE"
 stage refit 55 bash -c "set -e
     '$PY' -m megatron_stem.planning.calibrate --gpu h200 ${TINY[*]} --kernel $KERNEL \
         --out '$PROFILE'
