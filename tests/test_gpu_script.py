@@ -52,3 +52,22 @@ def test_the_gpu_script_runs_every_stage_and_goes_on_after_a_failure(tmp_path):
     smoke = re.findall(r"^(?:ok  |FAIL) .*$", (tmp_path / "smoke.log").read_text(), re.M)
     assert len(smoke) == 5 and all(line.startswith("ok ") for line in smoke), smoke
     assert "predicted step time STEM" in (tmp_path / "plan_best.txt").read_text()
+
+
+def test_the_trainer_stage_reads_a_gpu_step_line():
+    """A GPU's step line carries MFU and, with host tables, their figures (a CPU's has
+    neither): the stage reads its figures from either."""
+    sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+    try:
+        import trainer
+    finally:
+        sys.path.pop(0)
+    line = ("step 30/1000000 | loss 7.1234 | lr 4.00e-04 | grad 0.718 (backbone 0.718, tables "
+            "0.003) | rows 474 | step 266.3 ms (fwd/bwd 231.5, backbone 13.0, tables 1.4, "
+            "exposed tables 5.0) | 123,846 tok/s (123,846/GPU) | MFU 41.2% | prefetch wait "
+            "1.0 ms, h2d 3.0 MB | peak mem 60.65 GB")
+    figures = trainer.parse(line)
+    assert figures["tokens_per_s"] == 123846 and figures["mfu"] == pytest.approx(0.412)
+    assert figures["peak_memory_gb"] == 60.65 and figures["split_ms"]["tables_exposed"] == 5.0
+    assert trainer.parse(line.replace(" | MFU 41.2%", ""))["mfu"] is None
+    assert trainer.parse("step 30 | saved runs/x/iter_0000030") is None

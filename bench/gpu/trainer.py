@@ -30,7 +30,7 @@ NUMBER = r"([\d,]+(?:\.\d+)?)"
 LINE = re.compile(
     rf"^step (\d+)/\d+ \| loss {NUMBER} \|.*\| step {NUMBER} ms \(fwd/bwd {NUMBER}, "
     rf"backbone {NUMBER}, tables {NUMBER}, exposed tables {NUMBER}\) \| {NUMBER} tok/s"
-    rf".*?(?:\| MFU {NUMBER}%)?.*\| peak mem {NUMBER} GB")
+    rf" \([^)]*\)(?: \| MFU {NUMBER}%)?.*\| peak mem {NUMBER} GB")
 FAR = 1_000_000  # steps, save and eval intervals that never fall due
 
 
