@@ -93,7 +93,7 @@ def _ask_cpuinfo_once() -> None:
 
 # torch's build lock (`FileBaton`: a file created exclusively, removed when the build ends)
 # is waited for forever by every later load when its build was killed. Our loads write the
-# lock's owner in it (`_OwnedBaton`) and remove a lock whose owner is gone; a lock with no
+# lock's owner in it (`_owned_baton`) and remove a lock whose owner is gone; a lock with no
 # owner (another program's build) is judged by its age: older than this only when its build
 # was killed (a build takes a few minutes).
 STALE_LOCK_S = 30 * 60
@@ -108,10 +108,9 @@ class _BuildDied(Exception):
 
 def _running(pid: int) -> bool:
     """Whether process `pid` of this host runs (a zombie, killed and not yet reaped, does not)."""
-    stat = Path(f"/proc/{pid}/stat")
     if Path("/proc/self/stat").exists():
         try:
-            return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
         except (FileNotFoundError, ProcessLookupError):
             return False
     try:
@@ -201,9 +200,8 @@ def load(builder, what: str):
         print(f"building {what}, once per environment, ~1-2 min (into {folder})", flush=True)
     try:
         return builder.load()
-    except _BuildDied as died:
+    except _BuildDied:  # its lock is removed
         print(f"the build of {what} this load waited for died; building again", flush=True)
-        _clear_stale_lock(died.args[0], what)
         return builder.load()
 
 
