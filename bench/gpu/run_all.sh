@@ -14,7 +14,7 @@
 #                262.7M-parameter embedding and output layer take DeepSpeed's
 #                oversized-parameter path. Tokens/s, MFU, peak memory, the step's split,
 #                the loss falling;
-#   tables_device host-resident tables against device tables, 10 steps each (tokens/s;
+#   tables_device STEM tables in GPU memory, then in host memory, 10 steps each (tokens/s;
 #   tables_host  lazy updates, state in CPU memory, no overlap: what host placement runs);
 #   long_context one 32,768-token sequence per step with document masking (micro-batch 1,
 #                the dense model): time and memory;

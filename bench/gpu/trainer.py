@@ -24,6 +24,7 @@ import re
 import signal
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 NUMBER = r"([\d,]+(?:\.\d+)?)"
@@ -67,7 +68,8 @@ def figures(lines: list[dict], recipe, steps: int) -> dict:
             "loss_last": last["loss"], "loss_falls": last["loss"] < first["loss"],
             "tokens_per_step": recipe.train.global_batch_size * recipe.model.seq_length,
             "tables": str(TableLayout.of(recipe)) if recipe.model.stem_layers != "none" else None,
-            "kernel": recipe.optimizer.tables.kernel, "reached": last["step"] >= steps}
+            "kernel": recipe.optimizer.tables.kernel, "torch": metadata.version("torch"),
+            "reached": last["step"] >= steps}
 
 
 def run(recipe_path: str, overrides: list[str], steps: int, log_every: int, log) -> list[dict]:
