@@ -1,7 +1,7 @@
 """The tables' GPU-only paths, checked on one GPU before anything is timed (the first stage
 of bench/gpu/run_all.sh: 1-2 minutes).
 
-    python bench/gpu_smoke.py [--steps 6] [--dry-run]
+    python bench/gpu_smoke.py [--steps 6] [--dry-run] [--kernel torch]
 
 Each variant trains the same STEM model on the same random token batches in this process
 (one DeepSpeed engine at a time, released before the next), through `train.train_step`:
@@ -36,8 +36,10 @@ import torch  # noqa: E402
 
 TOY = dict(hidden_size=64, num_layers=4, num_attention_heads=4, num_query_groups=2,
            ffn_hidden_size=128, vocab_size=512, seq_length=64)
+# 2 x 2,048 positions a micro-batch: over the 3,072 ids below which CUDA's embedding
+# backward takes its small-input kernel, so the smoke runs the sort-based one, as the 1B run.
 GPU = dict(hidden_size=1024, num_layers=4, num_attention_heads=16, num_query_groups=4,
-           ffn_hidden_size=4096, vocab_size=32768, seq_length=1024)
+           ffn_hidden_size=4096, vocab_size=32768, seq_length=2048)
 VARIANTS = {  # name: recipe overrides of the bf16 STEM baseline below
     "cpu_state": {},
     "accelerator_state": {"optimizer": {"tables": {"device": "accelerator"}}},
@@ -48,12 +50,12 @@ VARIANTS = {  # name: recipe overrides of the bf16 STEM baseline below
 }
 
 
-def recipe(model: dict, overrides: dict):
+def recipe(model: dict, overrides: dict, kernel: str = "deepspeed"):
     from megatron_stem.config import Recipe, _deep_merge, from_dict
 
     base = {"model": {**model, "stem_layers": "1/2"},
             "optimizer": {"lr": 3e-3, "warmup_steps": 0, "clip_grad": 1.0,
-                          "tables": {"update": "dense", "device": "cpu"}},
+                          "tables": {"update": "dense", "device": "cpu", "kernel": kernel}},
             "tables": {"placement": "device", "partition": "sharded"},
             "train": {"micro_batch_size": 2, "global_batch_size": 8, "dtype": "bf16"}}
     return from_dict(Recipe, _deep_merge(base, overrides))
@@ -73,7 +75,8 @@ def batches(model: dict, steps: int, per_step: int, micro: int) -> list[list[dic
     return out
 
 
-def train(model: dict, overrides: dict, data, deterministic: bool) -> dict:
+def train(model: dict, overrides: dict, data, deterministic: bool,
+          kernel: str = "deepspeed") -> dict:
     """Losses of a fresh engine over `data`; the engine is released before returning."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -81,8 +84,8 @@ def train(model: dict, overrides: dict, data, deterministic: bool) -> dict:
     from megatron_stem.train import train_step
     from megatron_stem.training.engine import build_engine
 
-    r = recipe(model, overrides)
-    torch.manual_seed(0)
+    r = recipe(model, overrides, kernel)
+    # build_model reseeds megatron's RNG tracker: every variant starts from the same weights.
     engine, tables, update = build_engine(build_model(r.model, r.parallel, tables=r.tables), r)
     zero = engine.optimizer
     facts = {"optimizer": type(zero).__name__,
@@ -163,6 +166,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on a CPU")
+    ap.add_argument("--kernel", choices=("deepspeed", "torch"), default="deepspeed",
+                    help="the tables' CPU Adam (torch: the ops were not built)")
     args = ap.parse_args(argv)
     from megatron_stem.config import ParallelConfig
     from megatron_stem.parallel import destroy_distributed, init_distributed
@@ -173,8 +178,8 @@ def main(argv=None) -> int:
     model = TOY if args.dry_run else GPU
     init_distributed(ParallelConfig())
     data = batches(model, args.steps, 4, 2)
-    runs = {name: train(model, o, data, deterministic=name.startswith("overlap"))
-            for name, o in VARIANTS.items()}
+    runs = {name: train(model, o, data, deterministic=name.startswith("overlap"),
+                        kernel=args.kernel) for name, o in VARIANTS.items()}
     destroy_distributed()
     base = runs["cpu_state"]
 

@@ -18,10 +18,14 @@ import hashlib
 import io
 import os
 import platform
+import signal
+import socket
+import subprocess
 import sys
 import time
 from importlib import metadata
 from pathlib import Path
+from typing import Optional
 
 
 def _cpu_model() -> str:
@@ -88,12 +92,76 @@ def _ask_cpuinfo_once() -> None:
 
 
 # torch's build lock (`FileBaton`: a file created exclusively, removed when the build ends)
-# is older than this only when its build was killed (a build takes a few minutes): every
-# later load would wait for it forever.
+# is waited for forever by every later load when its build was killed. Our loads write the
+# lock's owner in it (`_owned_baton`) and remove a lock whose owner is gone; a lock with no
+# owner (another program's build) is judged by its age: older than this only when its build
+# was killed (a build takes a few minutes).
 STALE_LOCK_S = 30 * 60
 # Another rank's load holds the lock while ninja checks a built op is up to date: well under
 # a second, seconds on a loaded node. A lock still there after this is a build: said.
 QUIET_WAIT_S = 10.0
+
+
+class _BuildDied(Exception):
+    """The build this load waited for was killed; its lock is removed: load again."""
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` of this host runs (a zombie, killed and not yet reaped, does not)."""
+    if Path("/proc/self/stat").exists():
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _dead_owner(lock: Path) -> Optional[int]:
+    """The PID that wrote `lock` when it is a process of this host that no longer runs;
+    None for a live owner, another host's, or none recorded."""
+    try:
+        host, pid = lock.read_text().split()
+        pid = int(pid)
+    except (OSError, ValueError):
+        return None
+    return pid if host == socket.gethostname() and not _running(pid) else None
+
+
+def _owned_baton():
+    """torch's `FileBaton` with its owner ("host pid") written in the lock it takes, and a
+    wait that ends when that owner dies (torch's waits for the file forever)."""
+    from torch.utils.file_baton import FileBaton
+
+    class OwnedBaton(FileBaton):
+        def try_acquire(self) -> bool:
+            if not super().try_acquire():
+                return False
+            Path(self.lock_file_path).write_text(f"{socket.gethostname()} {os.getpid()}")
+            return True
+
+        def wait(self) -> None:
+            lock = Path(self.lock_file_path)
+            while lock.exists():
+                if _dead_owner(lock) is not None:
+                    lock.unlink(missing_ok=True)
+                    raise _BuildDied(lock)
+                time.sleep(self.wait_seconds)
+
+    return OwnedBaton
+
+
+def _use_owned_batons() -> None:
+    from torch.utils import cpp_extension
+
+    if not getattr(cpp_extension.FileBaton, "owned", False):
+        cpp_extension.FileBaton = _owned_baton()
+        cpp_extension.FileBaton.owned = True
 
 
 def _clear_stale_lock(lock: Path, what: str) -> None:
@@ -102,13 +170,15 @@ def _clear_stale_lock(lock: Path, what: str) -> None:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
         return
-    if age > STALE_LOCK_S:
+    dead = _dead_owner(lock)
+    if dead is not None or age > STALE_LOCK_S:
         try:
             lock.unlink()
         except FileNotFoundError:  # another rank of the node removed it: it says so
             return
-        print(f"removed {lock}, left {age / 60:.0f} min ago by a build of {what} that "
-              "did not finish; building again", flush=True)
+        by = f"process {dead}, gone" if dead is not None else f"{age / 60:.0f} min ago"
+        print(f"removed {lock}, left by {by}: a build of {what} that did not finish; "
+              "building again", flush=True)
         return
     waited = 0.0
     while lock.exists() and waited < QUIET_WAIT_S:
@@ -120,13 +190,38 @@ def _clear_stale_lock(lock: Path, what: str) -> None:
 
 
 def load(builder, what: str):
-    """`builder.load()` from the one folder, announced when it has to compile first."""
+    """`builder.load()` from the one folder, announced when it has to compile first; a
+    build it waits for that dies is taken over."""
     _ask_cpuinfo_once()
+    _use_owned_batons()
     folder = use_extensions_dir()
     _clear_stale_lock(folder / builder.name / "lock", what)
     if not (folder / builder.name / f"{builder.name}.so").is_file() and _speaks():
         print(f"building {what}, once per environment, ~1-2 min (into {folder})", flush=True)
-    return builder.load()
+    try:
+        return builder.load()
+    except _BuildDied:  # its lock is removed
+        print(f"the build of {what} this load waited for died; building again", flush=True)
+        return builder.load()
+
+
+def build_all_within(seconds: float) -> bool:
+    """`build_all` in a child process given `seconds`. False, with one line, when it did
+    not finish: the child and its compilers are killed (the locks they held name a dead
+    owner, which the next load removes) and the caller runs the torch kernel."""
+    child = subprocess.Popen([sys.executable, "-c", "from megatron_stem import ops; ops.build_all()"],
+                             start_new_session=True)
+    try:
+        if child.wait(timeout=seconds) == 0:
+            return True
+        reason = f"failed (exit {child.returncode})"
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        reason = f"did not finish in {seconds:.0f} s"
+    print(f"the ops' build {reason}: this run uses the torch kernel "
+          "(optimizer.tables.kernel: torch)", flush=True)
+    return False
 
 
 def load_cpu_adam():

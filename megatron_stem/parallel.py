@@ -83,6 +83,17 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234,
         tensor_model_parallel_size=parallel.tensor_parallel,
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         create_gloo_process_groups=False)
+    seed_random_streams(seed)
+
+
+def seed_random_streams(seed: int) -> None:
+    """Every stream megatron draws from, set to `seed`'s start: the default generator and
+    the RNG tracker's data-, tensor- and expert-parallel states (megatron's seed offsets).
+
+    On a GPU megatron initialises weights inside `get_cuda_rng_tracker().fork()`, which
+    `torch.manual_seed` does not touch: a second model built in the same process would
+    continue the tracker's stream and start from other weights. `build_model` calls this
+    first, so every build starts from its seed's weights on a GPU as on a CPU."""
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:

@@ -100,10 +100,18 @@ def check_trainable(recipe: Recipe) -> None:
                           "parallelism (checkpoints saved this way load at any PP)")
 
 
-def _mean_over_dp(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device())
-    dist.all_reduce(t, group=ps.get_data_parallel_group())
-    return t.item() / ps.get_data_parallel_world_size()
+def _local_and_dp_mean(local: torch.Tensor) -> tuple[float, float]:
+    """This rank's `local` (a one-element tensor on its device) and its data-parallel
+    mean, read by the host together: one sync."""
+    mine = local.detach().double().reshape(1)
+    total = mine.clone()
+    dist.all_reduce(total, group=ps.get_data_parallel_group())
+    mine, total = torch.cat([mine, total]).tolist()
+    return mine, total / ps.get_data_parallel_world_size()
+
+
+def _mean_over_dp(value) -> float:
+    return _local_and_dp_mean(torch.as_tensor(value, dtype=torch.float64, device=device()))[1]
 
 
 def _token_mean_loss(model_or_engine, batch: dict) -> torch.Tensor:
@@ -120,20 +128,23 @@ def train_step(update: Update, microbatches: list[dict], lr: float,
     table update puts in place first). Host-resident tables are handed the step's
     micro-batches first (their rows are staged one micro-batch ahead). `timer` times the
     phases (training/profiling.py). Returns the data-parallel mean loss and the update's
-    outcome."""
+    outcome.
+
+    The losses stay on the device until every backward is launched, then the host reads
+    them once (a read per micro-batch would make it wait for each backward before
+    launching the next forward)."""
     engine = update.engine
     with timer.phase("tables_stage"):
         update.tables.stage(microbatches)
-    total = 0.0
+    losses = []
     for i, batch in enumerate(microbatches):
         with timer.phase("forward_backward"):
             loss = _token_mean_loss(engine, batch)
             engine.backward(loss)
-            total += loss.item()
+            losses.append(loss.detach())
         if i + 1 < len(microbatches):
             engine.step()  # DeepSpeed's micro-step; the last one is the update's
-    local = total / len(microbatches)
-    loss = _mean_over_dp(local)
+    local, loss = _local_and_dp_mean(torch.stack(losses).double().mean())
     return loss, update.apply(lr, loss, next_ids, local_loss=local, timer=timer)
 
 
@@ -143,7 +154,7 @@ def evaluate(model, microbatches: list[dict], tables=None) -> float:
         tables.finish()  # an overlapped update: every row in place
         tables.stage(microbatches, requires_grad=False)
     model.eval()
-    loss = sum(_token_mean_loss(model, b).item() for b in microbatches) / len(microbatches)
+    loss = torch.stack([_token_mean_loss(model, b) for b in microbatches]).double().mean()
     model.train()
     return _mean_over_dp(loss)
 

@@ -162,12 +162,13 @@ def train(toy_data, tmp_path_factory):
         return done[key]
 
     def run(nproc, *overrides, name="run", save_dir=None, preempt_at=0, rss=False,
-            delay_rest=0.0, plant_nan=0, exit_code=0, worker=()):
+            delay_rest=0.0, plant_nan=0, exit_code=0, worker=(), record_collectives=False):
         folder = tmp_path_factory.mktemp(name)
         out = folder / "result.json"
         options = ["--data", toy_data, "--out", out, "--preempt-at", preempt_at,
                    "--delay-rest", delay_rest, "--plant-nan", plant_nan,
-                   *(["--rss"] if rss else []), *worker]
+                   *(["--rss"] if rss else []), *worker,
+                   *(["--record-collectives"] if record_collectives else [])]
         save_dir = save_dir or folder / "ckpt"
         log = torchrun(nproc, "train_worker.py", *options, f"train.save_dir={save_dir}",
                        *overrides, exit_code=exit_code)

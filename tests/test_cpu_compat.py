@@ -1,5 +1,6 @@
 """The CPU runtime layer: what it patches behaves like the CUDA original would."""
 
+import pytest
 import torch
 from megatron.core.tensor_parallel import random as mpu_random
 
@@ -7,6 +8,7 @@ from megatron_stem import cpu_compat
 from megatron_stem.config import ModelConfig, ParallelConfig
 from megatron_stem.model import build_model
 from megatron_stem.model.attention import SDPAttention
+from workers.common import tiny_model
 
 
 def test_apply_patches_cuda_queries(world1):
@@ -58,3 +60,25 @@ def test_sdpa_attention_matches_megatron_reference(world1):
     causal = torch.triu(torch.ones(1, 1, 16, 16, dtype=torch.bool), diagonal=1)
     reference = super(SDPAttention, core).forward(q, k, v, causal)
     torch.testing.assert_close(core(q, k, v, None), reference, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tracker_path", [False, True], ids=["cpu_init", "tracker_init"])
+def test_every_build_starts_from_the_seeds_weights(world1, monkeypatch, tracker_path):
+    """Two builds in one process start from the same weights. `tracker_init` is the GPU's
+    path (megatron draws each weight inside the RNG tracker's fork, which the default
+    generator's seed does not reset) taken on CPU, so this fails here where a GPU would."""
+    if tracker_path:
+        overrides = cpu_compat.transformer_config_overrides
+        monkeypatch.setattr(cpu_compat, "transformer_config_overrides",
+                            lambda: {**overrides(), "use_cpu_initialization": False})
+    cfg = tiny_model("1/2")
+    first = build_model(cfg, ParallelConfig(), seed=7).state_dict()
+    torch.rand(5)  # whatever runs between two builds
+    second = build_model(cfg, ParallelConfig(), seed=7).state_dict()
+    other = build_model(cfg, ParallelConfig(), seed=8).state_dict()
+    weights = [name for name, value in first.items()
+               if torch.is_tensor(value) and value.is_floating_point() and value.dim() == 2]
+    assert any(".mlp.table." in name for name in weights)
+    for name in weights:
+        assert torch.equal(first[name], second[name]), name
+        assert not torch.equal(first[name], other[name]), name

@@ -129,10 +129,21 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_s
     return torch.cat(parts)
 
 
+def _reference_varlen_before_2_13(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False,
+                                  return_aux=None):
+    """The signature of earlier torch releases (2.9's): `is_causal`, no `scale` (1/sqrt(d)),
+    no grouped key/value heads."""
+    assert is_causal and q.shape[1] == k.shape[1]
+    return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, 0))
+
+
+@pytest.mark.parametrize("kernel", [_reference_varlen, _reference_varlen_before_2_13],
+                         ids=["torch_2_13", "torch_before_2_13"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_varlen_path_packs_megatron_layout_like_the_dense_path(monkeypatch, batch):
+def test_varlen_path_packs_megatron_layout_like_the_dense_path(monkeypatch, batch, kernel):
     """The GPU path's layout and boundaries, with the kernel replaced by its documented
-    semantics (the kernel itself runs only on CUDA)."""
+    semantics (the kernel itself runs only on CUDA), in the signature of this torch
+    release and of earlier ones (the lent GPU machine's torch is not the project's)."""
     g = torch.Generator().manual_seed(1)
     s, heads, groups, dim = 40, 4, 2, 8
     tokens = torch.randint(0, EOD, (batch, s), generator=g)
@@ -144,7 +155,7 @@ def test_varlen_path_packs_megatron_layout_like_the_dense_path(monkeypatch, batc
     k, v = qkv[:, :, :, 2], qkv[:, :, :, 3]
     from torch.nn.attention import varlen  # (documents imports it where it runs)
 
-    monkeypatch.setattr(varlen, "varlen_attn", _reference_varlen)
+    monkeypatch.setattr(varlen, "varlen_attn", kernel)
     got = documents._varlen(q, k, v, docs, 0.3, True)
     expected = documents._dense_mask(q, k, v, docs, 0.3, True)
     assert got.shape == (s, batch, heads, dim)

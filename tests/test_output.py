@@ -4,9 +4,11 @@ environment. (The quickstart's whole output is checked in test_quickstart.py.)""
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -134,8 +136,8 @@ def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch, c
     builder = FakeBuilder()
     ops.load(builder, "the fake op")
     assert not lock.exists() and builder.loads == 1
-    assert capsys.readouterr().out == (f"removed {lock}, left {(ops.STALE_LOCK_S + 60) // 60} "
-                                       "min ago by a build of the fake op that did not finish; "
+    assert capsys.readouterr().out == (f"removed {lock}, left by {(ops.STALE_LOCK_S + 60) // 60} "
+                                       "min ago: a build of the fake op that did not finish; "
                                        "building again\n")
     monkeypatch.setattr(ops, "QUIET_WAIT_S", 1.0)
     lock.touch()  # another rank's up-to-date check, done in 0.2 s
@@ -146,6 +148,76 @@ def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch, c
     ops.load(builder, "the fake op")
     assert lock.exists() and "waiting for another process's build of the fake op" in \
         capsys.readouterr().out
+
+
+class BatonBuilder(FakeBuilder):
+    """Loads as torch's JIT build does: builds under the folder's lock when it takes it,
+    else waits for the lock to go."""
+
+    def __init__(self, lock):
+        super().__init__()
+        self.lock, self.owners = lock, []
+
+    def load(self):
+        from torch.utils import cpp_extension
+
+        baton = cpp_extension.FileBaton(str(self.lock))
+        if baton.try_acquire():
+            self.owners.append(self.lock.read_text())
+            baton.release()
+        else:
+            baton.wait()
+        return super().load()
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def _load_or_hang(builder, seconds=20.0):
+    loading = threading.Thread(target=ops.load, args=(builder, "the fake op"), daemon=True)
+    loading.start()
+    loading.join(seconds)
+    assert not loading.is_alive(), "the load hangs on the lock"
+
+
+def test_a_build_lock_whose_owner_died_is_removed_at_once(tmp_path, monkeypatch, capsys):
+    """A build killed a moment ago (a `timeout`, an OOM kill) leaves a fresh lock: its owner's
+    PID, which our loads write in it, says it will never be released."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("PATH", os.environ.get("PATH", ""))
+    lock = tmp_path / "ext" / "fake_op" / "lock"
+    lock.parent.mkdir(parents=True)
+    dead = _dead_pid()
+    lock.write_text(f"{socket.gethostname()} {dead}")
+    builder = BatonBuilder(lock)
+    _load_or_hang(builder)
+    assert builder.loads == 1 and builder.owners == [f"{socket.gethostname()} {os.getpid()}"]
+    assert f"removed {lock}, left by process {dead}, gone" in capsys.readouterr().out
+    # The build it waits for dies while it waits (its process is killed, not yet reaped).
+    building = subprocess.Popen(["sleep", "30"])
+    lock.write_text(f"{socket.gethostname()} {building.pid}")
+    monkeypatch.setattr(ops, "QUIET_WAIT_S", 0.2)
+    threading.Timer(1.0, building.kill).start()
+    _load_or_hang(builder)
+    building.wait()
+    assert builder.loads == 2 and not lock.exists()
+    assert "the build of the fake op this load waited for died" in capsys.readouterr().out
+
+
+def test_a_build_that_does_not_finish_in_time_is_killed_with_one_line(tmp_path, monkeypatch,
+                                                                       capsys):
+    slow = tmp_path / "slow_build"
+    slow.write_text("#!/bin/sh\nsleep 60 &\nwait\n")  # a compiler under the build
+    slow.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(slow))
+    started = time.monotonic()
+    assert not ops.build_all_within(1.0)
+    assert time.monotonic() - started < 10
+    assert capsys.readouterr().out == ("the ops' build did not finish in 1 s: this run uses the "
+                                       "torch kernel (optimizer.tables.kernel: torch)\n")
 
 
 def test_op_builds_run_this_environments_ninja(tmp_path, monkeypatch):

@@ -313,3 +313,15 @@ def test_the_overlaps_group_is_made_on_the_main_thread_before_the_worker_uses_it
     uses = json.loads(out.read_text())
     assert uses["at_construction"] == ["MainThread"]  # its first collective, at construction
     assert uses["all"][0] == "MainThread" and "stem-table-update" in uses["all"][1:]
+
+
+def test_the_overlap_refuses_one_hardware_queue_on_gpus():
+    """Two threads' communicators need the GPU to run their streams side by side: with
+    CUDA_DEVICE_MAX_CONNECTIONS=1 ranks that interleave them differently can hang."""
+    from megatron_stem.training.tables.overlap import concurrency_problem
+
+    assert concurrency_problem({}, 2) is None
+    assert concurrency_problem({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, 2) is None
+    assert concurrency_problem({"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, 1) is None  # no peer
+    problem = concurrency_problem({"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, 2)
+    assert problem.startswith("tables.overlap: next_step") and "tables.overlap: none" in problem

@@ -4,6 +4,8 @@ overlapped with the next step against the serial one, and the 1B recipe's bf16 t
 path against the replicated reference."""
 
 
+import json
+
 import pytest
 
 from training_runs import assert_same_checkpoints, assert_same_curve, tensorboard_scalars
@@ -46,6 +48,24 @@ def test_update_overlapped_with_the_next_step_gives_the_same_curve(train, update
                        delay_rest=0.3)
     assert overlapped["losses"] == serial["losses"]
     assert overlapped["valid"] == serial["valid"]
+
+def test_each_communicator_issues_its_collectives_in_one_order_on_every_rank(train):
+    """The overlapped update's all-gathers run on a second thread, over a communicator of
+    their own (training/tables/overlap.py), which the main thread uses only to create it:
+    on each communicator the same collectives, from the same thread, in the same order on
+    every rank. (How the two threads
+    interleave differs between ranks: the overlap refuses CUDA_DEVICE_MAX_CONNECTIONS=1.)"""
+    result = train(2, "tables.overlap=next_step", "optimizer.tables.update=dense",
+                   name="collectives", delay_rest=0.1, record_collectives=True)
+    ranks = [json.loads((result["folder"] / f"result.json.collectives{r}").read_text())
+             for r in (0, 1)]
+    worker = "stem-table-update"
+    for rank in ranks:  # the worker's collectives go over its own communicator only
+        assert {c for c, thread, _ in rank if thread == worker} == \
+            {"the overlapped update's group"}
+    for comm in {c for c, _, _ in ranks[0]}:
+        issued = [[(thread, op) for c, thread, op in rank if c == comm] for rank in ranks]
+        assert issued[0] == issued[1], comm
 
 # The 1B recipe's table path: bf16 tables (so the fp32 master is a copy of its own), the
 # state sharded, the update overlapped with the next step or not, the state in CPU or

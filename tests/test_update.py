@@ -13,6 +13,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad,
 from megatron_stem.config import Recipe, from_dict
 from megatron_stem.model import build_model
 from megatron_stem.train import _mean_over_dp, _token_mean_loss, train_step
+from megatron_stem.training.data import HOST_TOKENS
 from megatron_stem.training.engine import build_engine, deepspeed_config
 from megatron_stem.training.state import _link_optimizer_states
 from workers.common import TINY, microbatches, tiny_model
@@ -167,3 +168,44 @@ def test_the_deterministic_switch_sets_what_gpu_runs_need(monkeypatch):
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+# What makes the host wait for the device: a read of a tensor's value.
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
+
+
+def test_a_step_reads_its_losses_once_whatever_its_micro_batches(monkeypatch):
+    """The loop makes one host sync per step, not one per micro-batch (counted through a
+    stand-in for every tensor read, outside the update, whose global norm is its own)."""
+    recipe = _recipe()
+    recipe.train.global_batch_size = 8
+    engine, tables, update, _ = _built(recipe)
+    batches = [{**mb, HOST_TOKENS: mb["tokens"].clone()}  # as the loader gives them
+               for mb in microbatches(tiny_model(), count=4)]
+    with torch.no_grad():
+        expected = sum(float(_token_mean_loss(engine, b)) for b in batches) / len(batches)
+    reads, counting = [], [True]
+
+    def counted(name, original):
+        def read(self, *args, **kwargs):
+            if counting[0]:
+                reads.append(name)
+            return original(self, *args, **kwargs)
+        return read
+
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    apply = update.apply
+
+    def uncounted_apply(*args, **kwargs):
+        counting[0] = False
+        try:
+            return apply(*args, **kwargs)
+        finally:
+            counting[0] = True
+
+    monkeypatch.setattr(update, "apply", uncounted_apply)
+    loss, outcome = train_step(update, batches, 1e-2)
+    monkeypatch.undo()
+    assert outcome.applied and reads == ["tolist"]
+    assert loss == pytest.approx(expected, rel=1e-6)

@@ -6,6 +6,12 @@ Compiles what training loads (DeepSpeed's CPU Adam, the tables' row Adam built f
 source; on CPU also DeepSpeed's shared-memory collectives), a minute or two each, into the folder every run of this environment then
 loads them from (see megatron_stem/ops.py). Run it once after `pip install`; a second run
 finds them built and returns at once.
+
+    python tools/build_ops.py --within 90
+
+gives the build 90 s in a child process: if it does not finish, it is killed, one line
+says the run uses the torch kernel (`optimizer.tables.kernel: torch`), and the exit
+status is 3 (bench/gpu/run_all.sh then passes that kernel on).
 """
 
 import argparse
@@ -17,7 +23,12 @@ from megatron_stem.errors import cli
 
 @cli
 def main(argv=None) -> int:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--within", type=float, metavar="SECONDS",
+                        help="kill a build that takes longer; exit 3 (use the torch kernel)")
+    args = parser.parse_args(argv)
+    if args.within is not None and not ops.build_all_within(args.within):
+        return 3
     built = ops.build_all()
     print(f"ready in {ops.extensions_dir()}: {', '.join(built)}")
     return 0

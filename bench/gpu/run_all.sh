@@ -1,81 +1,115 @@
 #!/usr/bin/env bash
-# Everything the planner needs from one H200, in one run of under 8 minutes (the stages'
-# limits add up to 480 s):
-#  0. a correctness smoke of the GPU-only paths (bench/gpu_smoke.py: bf16 through DeepSpeed,
-#     the tables' state on the GPU, next_step against none, host placement's staging);
-#  1. refit the `h200` profile's single-GPU constants (achieved MFU of the forward/backward
-#     at the 1B layer shapes in bf16, the GEMM efficiency curve at the model's own linear
-#     layers, HBM, pinned and pageable host<->device copies, the host's row Adam, DRAM and
-#     gather rates; NVLink and InfiniBand stay published);
-#  2. dense vs STEM steps at the 1B layer shapes cut to 4 layers (d 2048, 32/8 heads,
-#     d_ff 8192, vocab 128,256, seq 2048, STEM at layers 1 and 3: two tables of
-#     128,256 x 8,192), 4 micro-batches of 4 x 2048 real-text tokens, the tables' state in
-#     CPU memory and on the GPU (`next_step`), each part of the step timed (forward/
-#     backward, the backbone's reduction and step, the row gradients' collection, their
-#     exchange, the norm, the tables' Adam and publication) next to the refit planner's
-#     prediction, and the step boundary (the end of the last backward to the next step's
-#     first table lookup, wall time) with its prediction;
-#  3. the tables' row Adam at a 1B shard's size as 8 concurrent ranks of 2 threads on the
-#     host's 16 cores, against the node model built from the host's own rates;
-#  4. the planner's tables for the 1B pair on 4 x 8 H200 with the refit constants.
-# Writes to $OUT: h200.json (the fitted profile), components.txt, node.txt, plan_today.txt,
-# plan_best.txt. Needs the wheels of bench/gpu/prepare.sh in .whl/ (carried: ".whl").
+# What a user asks first of one H200, in stages of their own limits (<= 120 s each, 480 s
+# in all); a stage that fails or runs out of time is recorded and the next one runs:
+#   build        DeepSpeed's CPU Adam and the tables' row Adam (tools/build_ops.py --within):
+#                not built in time, the later stages run the tables' torch kernel;
+#   data         a 4,096-piece tokenizer and the shipped corpus (data_corpus/) tokenized;
+#   smoke        the GPU-only paths' correctness (bench/gpu_smoke.py);
+#   train_dense  the real trainer (python -m megatron_stem.train, through
+#   train_stem   bench/gpu/trainer.py) at the 1B layer shapes cut to 4 layers (d 2048,
+#                32/8 heads, d_ff 8192, vocab 128,256, seq 2048), bf16, 30 steps of 16 x 2048
+#                tokens: dense, and STEM with two tables (layers 1 and 3) at the recipe's
+#                table settings but their state on the GPU (on one GPU the CPU Adam would
+#                carry what 32 ranks share); the recipe's 40M-element buckets against the
+#                262.7M-parameter embedding and output layer take DeepSpeed's
+#                oversized-parameter path. Tokens/s, MFU, peak memory, the step's split,
+#                the loss falling;
+#   tables_device STEM tables in GPU memory, then in host memory, 10 steps each (tokens/s;
+#   tables_host  lazy updates, state in CPU memory, no overlap: what host placement runs);
+#   long_context one 32,768-token sequence per step with document masking (micro-batch 1,
+#                the dense model): time and memory;
+#   refit        the h200 profile refit and the planner's tables for the 1B pair on 4 x 8.
+# Writes to $OUT: summary.json (one object per stage: name, status, seconds, limit_s,
+# figures), summary.txt (the same as a table), each stage's log (<stage>.log) and figures
+# (<stage>.json), h200.json, plan_today.txt, plan_best.txt. Needs the wheels of
+# bench/gpu/prepare.sh in .whl/ (carried: ".whl"). Runs on the torch it finds.
 #   bash bench/gpu/run_all.sh                    # on the GPU machine
-#   DRY_RUN=1 bash bench/gpu/run_all.sh          # here: the same steps at toy sizes on CPU
-set -euo pipefail
+#   DRY_RUN=1 bash bench/gpu/run_all.sh          # here: the same stages at toy sizes on CPU
+#   FAIL_STAGE="smoke" ...                       # a stage made to fail (the summary's test)
+set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
+DATA="$OUT/data"
+COMMON=("data.prefixes=[$DATA/gcide_text_document]" "data.tokenizer_model=$DATA/gcide.model"
+        data.tokenizer_type=sentencepiece data.split=99,1,0 optimizer.warmup_steps=5
+        train.global_batch_size=16 model.num_layers=4)
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     PY="${PYTHON:-python3}"
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    TINY=(--tiny); PRESET=tiny; STEPS=1; SMOKE=(--dry-run); NODE=2,1
+    TINY=(--tiny); SMOKE=(--dry-run); STEPS=6; LONG=512; WORKERS=2
+    SHAPE=(model.hidden_size=64 model.num_attention_heads=4 model.num_query_groups=2
+           model.ffn_hidden_size=128 model.vocab_size=4096 model.seq_length=64
+           train.micro_batch_size=2 train.dtype=fp32)
     # The limits are the GPU run's; toy sizes on a CPU that other jobs share (the test
-    # suite's other worker) can take longer, and what a dry run checks is the steps.
+    # suite's other worker) can take longer, and what a dry run checks is the stages.
     LIMIT_SCALE=5
 else
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
     PY=python3
-    TINY=(); PRESET=gpu-1b; STEPS=2; SMOKE=(); NODE=8,2; LIMIT_SCALE=1
+    TINY=(); SMOKE=(); STEPS=30; LONG=32768; WORKERS=8; SHAPE=(); LIMIT_SCALE=1
     export TORCH_EXTENSIONS_DIR=/tmp/torch_extensions  # DeepSpeed's JIT ops
 fi
-PROFILE="$OUT/h200.json"
 start=$SECONDS
 stamp() { echo "[run_all] $(( SECONDS - start )) s: $*"; }
-limit() { local seconds=$1; shift; timeout $(( seconds * LIMIT_SCALE )) "$@"; }
 
-# DeepSpeed's CPU Adam JIT-builds on first use (about a minute); without it the tables
-# run the torch kernel and the profile keeps the torch rate for both.
-stamp "building DeepSpeed cpu_adam and the tables' row Adam"
+# stage NAME LIMIT COMMAND...: COMMAND under LIMIT seconds (times LIMIT_SCALE), its output in
+# $OUT/NAME.log, recorded in the summary; a failure is said and returned, not fatal.
+stage() {
+    local name=$1 limit=$2 began=$SECONDS rc=0 status=ok
+    shift 2
+    stamp "$name (limit $limit s)"
+    if [[ " ${FAIL_STAGE:-} " == *" $name "* ]]; then
+        echo "made to fail (FAIL_STAGE)" > "$OUT/$name.log"
+        rc=1
+    else
+        timeout --kill-after=10 $(( limit * LIMIT_SCALE )) "$@" > "$OUT/$name.log" 2>&1 || rc=$?
+    fi
+    if (( rc == 124 || rc == 137 )); then
+        status=timeout
+    elif (( rc )); then
+        status="failed (exit $rc)"
+    fi
+    "$PY" bench/gpu/summary.py record "$OUT" "$name" "$status" $(( SECONDS - began )) "$limit"
+    [[ "$status" == ok ]] || { stamp "$name: $status"; tail -n 5 "$OUT/$name.log"; }
+    return $rc
+}
+# train NAME LIMIT STEPS RECIPE OVERRIDES...: a stage of the real trainer (bench/gpu/trainer.py)
+train() {
+    local name=$1 limit=$2 steps=$3 recipe=$4
+    shift 4
+    stage "$name" "$limit" "$PY" bench/gpu/trainer.py --recipe "$recipe" --steps "$steps" \
+        ${LOSS_CHECK:+"$LOSS_CHECK"} --figures "$OUT/$name.json" -- "${COMMON[@]}" "${SHAPE[@]}" \
+        "optimizer.tables.kernel=$KERNEL" "train.save_dir=$OUT/runs/$name" "$@"
+}
+
 KERNEL=deepspeed
-limit 90 "$PY" -c "from megatron_stem import ops; ops.load_cpu_adam(); ops.load_row_adam()" \
-    > "$OUT/cpu_adam_build.log" 2>&1 || { KERNEL=torch; stamp "cpu_adam unavailable: torch kernel"; }
+stage build 60 "$PY" tools/build_ops.py --within $(( 50 * LIMIT_SCALE )) || KERNEL=torch
+stage data 25 bash -c "set -e
+    '$PY' tools/train_tokenizer.py --input data_corpus/gcide.jsonl.gz \
+        --output-prefix '$DATA/gcide' --vocab-size 4096
+    '$PY' tools/preprocess_data.py --input data_corpus/gcide.jsonl.gz --json-keys text \
+        --output-prefix '$DATA/gcide' --tokenizer-type sentencepiece \
+        --tokenizer-model '$DATA/gcide.model' --append-eod --workers $WORKERS"
+stage smoke 80 "$PY" bench/gpu_smoke.py "${SMOKE[@]}" --kernel "$KERNEL"
+STEM=("model.stem_layers=[1,3]")
+train train_dense 60 "$STEPS" recipes/dense_1b.yaml
+train train_stem 75 "$STEPS" recipes/stem_1b.yaml "${STEM[@]}" optimizer.tables.device=accelerator
+HOST=("${STEM[@]}" optimizer.tables.update=lazy tables.overlap=none)
+train tables_device 40 10 recipes/stem_1b.yaml "${HOST[@]}"
+train tables_host 45 10 recipes/stem_1b.yaml "${HOST[@]}" tables.placement=host
+LOSS_CHECK=--no-loss-check train long_context 40 3 recipes/dense_1b.yaml data.reset_position_ids=true \
+    data.reset_attention_mask=true data.eod_mask_loss=true "model.seq_length=$LONG" \
+    train.micro_batch_size=1 train.global_batch_size=1
+PROFILE="$OUT/h200.json"
+PAIR="--recipe recipes/stem_1b.yaml --baseline recipes/dense_1b.yaml --nodes 4 --gpus-per-node 8"
+PAIR+=" --hardware h200 --profile $PROFILE"
+stage refit 55 bash -c "set -e
+    '$PY' -m megatron_stem.planning.calibrate --gpu h200 ${TINY[*]} --kernel $KERNEL \
+        --out '$PROFILE'
+    '$PY' tools/plan_step.py $PAIR > '$OUT/plan_today.txt'
+    '$PY' tools/plan_step.py $PAIR --choose best > '$OUT/plan_best.txt'"
 
-stamp "smoke: the GPU-only paths"
-limit 120 "$PY" bench/gpu_smoke.py "${SMOKE[@]}" \
-    2> "$OUT/smoke.err" | tee "$OUT/smoke.txt" || { tail -20 "$OUT/smoke.err"; exit 1; }
-
-stamp "refitting the h200 profile and its GEMM curve"
-limit 60 "$PY" -m megatron_stem.planning.calibrate --gpu h200 "${TINY[@]}" \
-    --kernel "$KERNEL" --out "$PROFILE" > "$OUT/calibrate.log" 2>&1 \
-    || { tail -20 "$OUT/calibrate.log"; exit 1; }
-cat "$PROFILE"
-
-stamp "dense vs STEM steps, each part timed; the step boundary, CPU and GPU state"
-limit 110 "$PY" bench/plan_calibration.py --preset "$PRESET" --dp 1 --steps "$STEPS" \
-    --variants dense,device/dense/sharded/next_step/cpu,device/dense/sharded/next_step/accelerator \
-    --segment --kernel "$KERNEL" \
-    --profile "$PROFILE" 2> "$OUT/components.err" | tee "$OUT/components.txt"
-
-stamp "the tables' row Adam as concurrent ranks ($NODE processes,threads)"
-limit 40 "$PY" bench/plan_calibration.py --node-model "$NODE" --preset "$PRESET" \
-    2> "$OUT/node.err" | tee "$OUT/node.txt"
-
-stamp "the planner on 4 x 8 H200 with the refit constants"
-PAIR=(--recipe recipes/stem_1b.yaml --baseline recipes/dense_1b.yaml --nodes 4
-      --gpus-per-node 8 --hardware h200 --profile "$PROFILE")
-limit 10 "$PY" tools/plan_step.py "${PAIR[@]}" > "$OUT/plan_today.txt"
-limit 10 "$PY" tools/plan_step.py "${PAIR[@]}" --choose best > "$OUT/plan_best.txt"
-tail -n 1 "$OUT/plan_today.txt" "$OUT/plan_best.txt"
+"$PY" bench/gpu/summary.py table "$OUT"
 stamp "done; results in $OUT"

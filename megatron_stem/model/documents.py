@@ -31,6 +31,7 @@ masking", says why this one and what a GPU measurement has to confirm):
 
 from __future__ import annotations
 
+import inspect
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -85,9 +86,27 @@ def _varlen(query, key, value, documents: PackedSeqParams, scale, gqa) -> torch.
     # [s, b, h, d] -> [b*s, h, d], batch-major like cu_seqlens (a view when b == 1)
     q, k, v = (t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (query, key, value))
     cu, longest = documents.cu_seqlens_q, documents.max_seqlen_q
-    out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0),
-                      enable_gqa=gqa)  # window (-1, 0): causal
+    out = _call_varlen(varlen_attn, q, k, v, cu, longest, scale, gqa)
     return out.view(b, s, *out.shape[1:]).transpose(0, 1)
+
+
+def _call_varlen(varlen_attn, q, k, v, cu, longest, scale, gqa) -> torch.Tensor:
+    """Causal `varlen_attn` in the keywords this torch release has. 2.13's takes
+    `window_size` ((-1, 0): causal), `scale` and `enable_gqa`; earlier releases take
+    `is_causal` and may lack the other two: the key/value heads are then repeated for
+    each query group, and the queries scaled so that its default 1/sqrt(d) gives `scale`."""
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if gqa and "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    elif gqa:
+        group = q.shape[1] // k.shape[1]
+        k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    if scale is not None and "scale" in params:
+        kwargs["scale"] = scale
+    elif scale is not None:
+        q = q * (scale * q.shape[-1] ** 0.5)
+    return varlen_attn(q, k, v, cu, cu, longest, longest, **kwargs)
 
 
 def _dense_mask(query, key, value, documents: PackedSeqParams, scale, gqa) -> torch.Tensor:

@@ -25,6 +25,7 @@ from megatron_stem.model.rope_scaling import llama3_inv_freq
 from megatron_stem.model.loss import chunked_lm_loss
 from megatron_stem.model.spec import block_spec
 from megatron_stem.model.table import StemTable
+from megatron_stem.parallel import seed_random_streams
 
 
 # `parallel.recompute_modules` that megatron's TransformerConfig does itself: the attention
@@ -138,7 +139,9 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, seed: int = 1234,
                 tables: Optional[TableStorageConfig] = None) -> StemGPTModel:
     """This rank's part of the model (its TP shard of its pipeline stage), initialized per
     `model.init`. With `tables.placement: host` the STEM tables go to host memory shared
-    per node."""
+    per node. Every build starts from `seed`'s weights, however many came before it in the
+    process."""
+    seed_random_streams(seed)
     config = transformer_config(model, parallel, params_dtype)
     placement = tables.placement if tables is not None else "device"
     _quiet_unknown_mlp_warning()

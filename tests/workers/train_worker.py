@@ -12,6 +12,7 @@ import os
 import resource
 import signal
 import sys
+import threading
 import time
 
 from common import TINY
@@ -81,6 +82,19 @@ def slow_save(step: int, seconds: int, full_disk_at: int) -> None:
     background_save._write_buckets = slow
 
 
+def record_collectives() -> list:
+    """Every collective the tables issue, as (communicator, thread, op), in issue order."""
+    from megatron_stem.training.tables.comm import Comm
+
+    issued, check = [], Comm._check
+
+    def recorded(self, op, *tensors):
+        issued.append((self.name, threading.current_thread().name, op))
+        check(self, op, *tensors)
+    Comm._check = recorded
+    return issued
+
+
 def plant_nan(step: int) -> None:
     """Rank 1's own row gradients of its first table get a NaN at `step`."""
     import torch.distributed as dist
@@ -119,6 +133,8 @@ def main():
                     help="the background writer of this step's checkpoint fails: no space")
     ap.add_argument("--kill-at", type=int, default=0,
                     help="every rank kills itself (SIGKILL) after this step")
+    ap.add_argument("--record-collectives", action="store_true",
+                    help="each rank writes the tables' collectives to OUT.collectives<rank>")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     data = {"model": {**TINY, "stem_layers": "1/2"},
@@ -146,6 +162,7 @@ def main():
         delay_the_rest(args.delay_rest)
     if args.plant_nan:
         plant_nan(args.plant_nan)
+    issued = record_collectives() if args.record_collectives else None
     # A real tokenizer when the recipe names one (in-loop lm-eval reads text).
     tokenizer = None if recipe.data.tokenizer_model else \
         (StopDuringStartup if args.preempt_at < 0 else VocabOnlyTokenizer)(recipe.model.vocab_size)
@@ -154,6 +171,9 @@ def main():
         peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         with open(f"{args.out}.rss{os.environ['RANK']}", "w") as f:
             json.dump(peaks, f)
+    if issued is not None:
+        with open(f"{args.out}.collectives{os.environ['RANK']}", "w") as f:
+            json.dump(issued, f)
     if int(os.environ["RANK"]) == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -22,6 +22,16 @@ a second stream takes to be right:
   data-parallel group, whose communicator is created at construction, on every rank, from
   the main thread (NCCL creates communicators collectively: one created lazily by a worker
   while the main thread runs other collectives can deadlock);
+* the order of collectives: on each communicator it is the same on every rank (one thread
+  issues them, in an order that depends on no rank's data: the worker runs the same jobs
+  in the same order everywhere). Between the two communicators it is not: the worker's
+  all-gathers and the main thread's (DeepSpeed's reduction, the loss's mean, the stop
+  signal) interleave as the threads happen to run. NCCL tolerates that only while the GPU
+  runs the two streams' kernels side by side, so that a kernel waiting for its peers never
+  blocks the other communicator's; with `CUDA_DEVICE_MAX_CONNECTIONS=1` (one hardware
+  queue, which Megatron users often set) kernels of different streams can queue behind
+  each other and two ranks that interleaved differently hang. So the overlap refuses to
+  start on GPUs with that setting (`concurrency_problem`);
 * the current CUDA device is per thread: the worker takes the one the main thread had
   when the overlap was made (not `current_device()` in the worker, which is 0 there);
 * tensors made on the compute stream and read by the jobs (gradients, row ids) are
@@ -37,6 +47,7 @@ a second stream takes to be right:
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -45,6 +56,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_stem.errors import UserError
 from megatron_stem.training.tables import streams as side
 from megatron_stem.training.tables.comm import Comm, Devices, host_tracking
 
@@ -121,11 +133,26 @@ class _Lookups:
         self.ready[0 if same else -1].wait()
 
 
+def concurrency_problem(environ, world_size: int) -> Optional[str]:
+    """Why the overlap's collectives could hang on this device setup (module docstring:
+    two threads' communicators need the GPU to run their streams side by side), or None."""
+    if world_size > 1 and environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1":
+        return ("tables.overlap: next_step issues the tables' all-gathers from a second "
+                "thread, on their own stream, which CUDA_DEVICE_MAX_CONNECTIONS=1 can queue "
+                "behind the main thread's collectives (a hang when ranks interleave them "
+                "differently): unset it, or set tables.overlap: none")
+    return None
+
+
 class Overlap:
     """Runs table update jobs on a background thread, in order, one step at a time.
     `streams`: a side stream's protocol (streams.py; made from the main thread's device)."""
 
     def __init__(self, dp_group, devices: Devices, streams=None):
+        problem = concurrency_problem(os.environ, dist.get_world_size(dp_group)) \
+            if torch.cuda.is_available() and dist.is_initialized() else None
+        if problem is not None:
+            raise UserError(problem)
         self.comm = Comm(clone_group(dp_group), devices, "the overlapped update's group")
         if self.comm.size > 1:  # its communicator now, from the main thread, on every rank
             self.comm.all_reduce(torch.zeros(1, device=devices.accelerator))
