@@ -23,7 +23,7 @@ from megatron_stem.errors import UserError
 from megatron_stem.hf.export import export
 from megatron_stem.hf.import_ import import_hf
 from megatron_stem.tokenizer import load_tokenizer
-from workers.common import TINY
+from workers.common import TINY, hf_shape
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download
 import transformers  # noqa: E402,F401
@@ -56,13 +56,7 @@ def hf_sources(tmp_path_factory):
     sources = {}
     for i, (name, fields) in enumerate(HF_SOURCES.items()):
         torch.manual_seed(i)
-        config = StemConfig(vocab_size=VOCAB, hidden_size=TINY["hidden_size"],
-                            intermediate_size=TINY["ffn_hidden_size"],
-                            num_hidden_layers=TINY["num_layers"],
-                            num_attention_heads=TINY["num_attention_heads"],
-                            num_key_value_heads=TINY["num_query_groups"],
-                            max_position_embeddings=TINY["seq_length"], rope_theta=10000.0,
-                            **fields)
+        config = StemConfig(**hf_shape(VOCAB), **fields)
         model = StemForCausalLM(config).eval()
         with torch.no_grad():  # norms away from 1, so a norm mix-up cannot go unnoticed
             for p in model.parameters():

@@ -17,7 +17,7 @@ from conftest import ROOT, hf_tensors, tool, torchrun
 from megatron_stem import checkpoint
 from megatron_stem.hf.export import export
 from megatron_stem.hf.import_ import import_hf
-from workers.common import TINY, tiny_model
+from workers.common import TINY, hf_shape, tiny_model
 from workers.common import hf_tokens as tokens  # what workers/hf_layouts.py runs models on
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download
@@ -38,12 +38,7 @@ TRAINED = ("tied_llama3", "untied")
 def llama(tied: bool, rope_scaling) -> LlamaForCausalLM:
     """A random Llama of the trainer tests' TINY shape, weights large enough that attention
     and RoPE matter to the logits, norms away from 1."""
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=TINY["hidden_size"],
-                         intermediate_size=TINY["ffn_hidden_size"],
-                         num_hidden_layers=TINY["num_layers"],
-                         num_attention_heads=TINY["num_attention_heads"],
-                         num_key_value_heads=TINY["num_query_groups"],
-                         max_position_embeddings=TINY["seq_length"], rope_theta=10000.0,
+    config = LlamaConfig(**hf_shape(VOCAB),
                          rope_scaling=dict(rope_scaling) if rope_scaling else None,
                          tie_word_embeddings=tied, initializer_range=0.1)
     model = LlamaForCausalLM(config).eval()

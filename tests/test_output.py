@@ -12,10 +12,12 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import ROOT, subprocess_env
 from megatron_stem import ops, quiet
+from megatron_stem.data.indexed import PartWriter
 from megatron_stem.tokenizer import WHERE_TO_GET
 
 CLIS = [[str(p)] for p in sorted((ROOT / "tools").glob("*.py"))] + \
@@ -52,8 +54,10 @@ def test_help_prints_the_help_only(cli):
      "/nope.model: SentencePiece model not found"),
 ], ids=["override", "tokenizer", "to_hf", "preprocess"])
 def test_errors_are_one_line_with_nothing_else(argv, error, tmp_path):
-    for ext in (".bin", ".idx"):  # data that exists, so the tokenizer is what is missing
-        (tmp_path / f"data{ext}").write_bytes(b"")
+    # data that is there and whole, so that the tokenizer is what is missing
+    writer = PartWriter(str(tmp_path / "data"), np.int32)
+    writer.add(np.arange(1, 9), np.array([8]))
+    writer.close(sync=False)
     proc = run_cli([a.format(tmp=tmp_path) for a in argv])
     assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {error}\n")
 

@@ -509,7 +509,7 @@ def test_parts_reach_the_disk_before_their_records(tmp_path, sp_model, monkeypat
                 chunk_bytes=1000, tokenizer_backend="gigatoken")
     assert all(main for main, _ in synced)
     names = [name for _, name in synced]
-    manifests = [i for i, name in enumerate(names) if re.fullmatch(r"\d{6}\.json\.tmp\d+", name)]
+    manifests = [i for i, name in enumerate(names) if re.fullmatch(r"\d{6}\.json\.tmp\d*", name)]
     assert len(manifests) == stats["chunks"] > 4
     for i in manifests:
         chunk = names[i][:6]

@@ -79,7 +79,8 @@ def test_a_dense_start_of_another_shape_or_with_its_optimizer_is_refused(world1,
     (tmp_path / "dense" / "iter_0000000" / "optim").mkdir()
     (tmp_path / "dense" / "iter_0000000" / "train_state.pt").write_bytes(b"")
     recipe = Recipe(model=tiny_model(), train=TrainConfig(
-        save_dir=str(tmp_path / "run"), init_from=str(tmp_path / "dense"), init_optimizer=True))
+        save_dir=str(tmp_path / "run"), init_from=str(tmp_path / "dense" / "iter_0000000"),
+        init_optimizer=True))
     with pytest.raises(UserError, match=r"^train\.init_optimizer: .* is a dense model's; a STEM"
                                         r" run starts from its weights only"):
         Checkpointer(recipe)

@@ -1,4 +1,5 @@
-"""Small JSON records that are whole or absent: written to a temporary name, synced, renamed.
+"""Small JSON records that are whole or absent (`storage.write_durably`: a temporary name,
+synced, renamed, the folder synced).
 
 Preprocessing's resume rests on them: a record says that what it describes is on disk.
 """
@@ -6,8 +7,10 @@ Preprocessing's resume rests on them: a record says that what it describes is on
 from __future__ import annotations
 
 import json
-import os
+from pathlib import Path
 from typing import Optional
+
+from megatron_stem.storage import write_durably
 
 
 def read_json(path: str) -> Optional[dict]:
@@ -23,21 +26,5 @@ def read_json(path: str) -> Optional[dict]:
 
 
 def write_json(path: str, obj) -> None:
-    """Write `obj` to `path` atomically and durably (tmp + fsync + rename + fsync of the
-    folder, so that the rename itself survives a crash)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    sync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def sync_dir(path: str) -> None:
-    """Make the renames inside folder `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Write `obj` to `path` atomically and durably (so that the rename survives a crash)."""
+    write_durably(Path(path), json.dumps(obj, indent=1))

@@ -23,7 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_stem.data.durable import read_json, sync_dir, write_json
+from megatron_stem.data.durable import read_json, write_json
+from megatron_stem.storage import fsync_folder
 from megatron_stem.errors import UserError
 
 _HEADER = b"MMIDIDX\x00\x00"
@@ -211,7 +212,7 @@ def merge_resumable(parts: Sequence[str], out_prefix: str, dtype: type) -> Index
     header = _write_index(parts, headers, idx_path(tmp), dtype)
     os.replace(bin_path(tmp), bin_path(out_prefix))
     os.replace(idx_path(tmp), idx_path(out_prefix))
-    sync_dir(os.path.dirname(os.path.abspath(out_prefix)))
+    fsync_folder(os.path.dirname(os.path.abspath(out_prefix)))
     if os.path.exists(journal_path):  # none when there was nothing to copy
         os.remove(journal_path)
     return header

@@ -225,4 +225,5 @@ def load_train_state(ckpt: Path) -> dict:
 
 
 def _damaged(path: Path, e: Exception) -> UserError:
-    return UserError(f"{path}: damaged ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
+    detail = str(e).splitlines()[0][:80] if str(e).strip() else "empty or cut short"
+    return UserError(f"{path}: damaged ({type(e).__name__}: {detail})")

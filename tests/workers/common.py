@@ -20,6 +20,15 @@ TINY = dict(hidden_size=64, num_layers=4, num_attention_heads=4, num_query_group
             ffn_hidden_size=128, vocab_size=300, seq_length=32)
 
 
+def hf_shape(vocab_size: int) -> dict:
+    """TINY as a Hugging Face Llama-style config's fields."""
+    return dict(vocab_size=vocab_size, hidden_size=TINY["hidden_size"],
+                intermediate_size=TINY["ffn_hidden_size"], num_hidden_layers=TINY["num_layers"],
+                num_attention_heads=TINY["num_attention_heads"],
+                num_key_value_heads=TINY["num_query_groups"],
+                max_position_embeddings=TINY["seq_length"], rope_theta=10000.0)
+
+
 def hf_tokens() -> torch.Tensor:
     """The fixed [2, 16] ids the Hugging Face parity tests run every model on."""
     return torch.randint(0, TINY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(3))

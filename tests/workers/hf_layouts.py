@@ -20,10 +20,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from common import hf_tokens
-from hf_reference import full_logits
-from megatron_stem import checkpoint
+from hf_reference import loaded_logits
 from megatron_stem.config import ParallelConfig
-from megatron_stem.model import build_model
 from megatron_stem.parallel import destroy_distributed, init_distributed
 
 LAYOUTS = {"tp1": ParallelConfig(), "tp2": ParallelConfig(tensor_parallel=2),
@@ -39,16 +37,7 @@ def main():
     results = {"tokens": ids}
     for layout, parallel in LAYOUTS.items():
         init_distributed(parallel, seed=1234)
-        for item in args.load:
-            name, path = item.split("=", 1)
-            ckpt = checkpoint.resolve(path)
-            cfg = checkpoint.read_recipe(ckpt).model
-            if not cfg.untie_embeddings and parallel.pipeline_parallel > 1:
-                continue
-            model = build_model(cfg, parallel, seed=99)
-            checkpoint.load_model(model, ckpt)
-            model.eval()
-            results[f"{name}@{layout}"] = full_logits(model, ids, cfg.padded_vocab_size)
+        results.update(loaded_logits(args.load, layout, parallel, ids))
         parallel_state.destroy_model_parallel()
     if dist.get_rank() == 0:
         torch.save(results, args.out)

@@ -60,6 +60,23 @@ def full_logits(model, ids: torch.Tensor, padded_vocab: int) -> torch.Tensor:
     return out
 
 
+def loaded_logits(items: list[str], layout: str, parallel, ids: torch.Tensor) -> dict:
+    """{"<name>@<layout>": logits} of each `name=checkpoint` in `items`, loaded at this
+    layout (tied embeddings skip PP: the CPU limitation above)."""
+    out = {}
+    for item in items:
+        name, path = item.split("=", 1)
+        ckpt = checkpoint.resolve(path)
+        cfg = checkpoint.read_recipe(ckpt).model
+        if (not cfg.untie_embeddings) and parallel.pipeline_parallel > 1:
+            continue
+        model = build_model(cfg, parallel, seed=99)
+        checkpoint.load_model(model, ckpt)
+        model.eval()
+        out[f"{name}@{layout}"] = full_logits(model, ids, cfg.padded_vocab_size)
+    return out
+
+
 def greedy(model, prompt: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     seq = prompt
     for _ in range(NEW_TOKENS):  # no KV cache: the whole sequence every step
@@ -88,16 +105,7 @@ def main():
             results[f"{kind}_{layout}"] = {
                 "logits": full_logits(model, ids, cfg.padded_vocab_size),
                 "greedy": greedy(model, results["prompt"], cfg)}
-        for item in args.load:
-            name, path = item.split("=", 1)
-            ckpt = checkpoint.resolve(path)
-            cfg = checkpoint.read_recipe(ckpt).model
-            if (not cfg.untie_embeddings) and parallel.pipeline_parallel > 1:
-                continue  # the CPU limitation above
-            model = build_model(cfg, parallel, seed=99)
-            checkpoint.load_model(model, ckpt)
-            model.eval()
-            results[f"{name}@{layout}"] = full_logits(model, ids, cfg.padded_vocab_size)
+        results.update(loaded_logits(args.load, layout, parallel, ids))
         parallel_state.destroy_model_parallel()
     if dist.get_rank() == 0:
         torch.save(results, args.out / "reference.pt")
