@@ -34,7 +34,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_stem import checkpoint
+from megatron_stem import checkpoint, storage
 from megatron_stem.parallel import device
 
 
@@ -132,13 +132,5 @@ def fsync_tree(folder: Path) -> None:
     """Make every file under `folder`, and the folders' entries, durable."""
     for root, dirs, files in os.walk(folder):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            storage.fsync_path(os.path.join(root, name))
+        storage.fsync_path(root)

@@ -248,7 +248,7 @@ class Writer:
             if self.final.exists():
                 shutil.rmtree(self.final)
             os.replace(self.tmp, self.final)
-            storage.fsync_folder(self.save_dir)  # the rename, before `latest` names it
+            storage.fsync_path(self.save_dir)  # the rename, before `latest` names it
             point_latest(self.save_dir, self.final)
         _barrier()
         return False

@@ -17,12 +17,12 @@ def write_durably(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_folder(path.parent)
+    fsync_path(path.parent)
 
 
-def fsync_folder(folder: Path) -> None:
-    """Make the folder's entries (a rename, a new file) durable."""
-    fd = os.open(folder, os.O_RDONLY)
+def fsync_path(path: str | Path) -> None:
+    """Make a file's contents, or a folder's entries (a rename, a new file), durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

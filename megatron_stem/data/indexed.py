@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_stem.data.durable import read_json, write_json
-from megatron_stem.storage import fsync_folder
+from megatron_stem.storage import fsync_path
 from megatron_stem.errors import UserError
 
 _HEADER = b"MMIDIDX\x00\x00"
@@ -146,11 +146,7 @@ def write_index(prefix: str, dtype: type, lengths: np.ndarray, sync: bool = True
 def sync(prefix: str) -> None:
     """Flush a written `.bin/.idx` pair to disk."""
     for path in (bin_path(prefix), idx_path(prefix)):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(path)
 
 
 def _finish(f, sync: bool = True) -> None:
@@ -212,7 +208,7 @@ def merge_resumable(parts: Sequence[str], out_prefix: str, dtype: type) -> Index
     header = _write_index(parts, headers, idx_path(tmp), dtype)
     os.replace(bin_path(tmp), bin_path(out_prefix))
     os.replace(idx_path(tmp), idx_path(out_prefix))
-    fsync_folder(os.path.dirname(os.path.abspath(out_prefix)))
+    fsync_path(os.path.dirname(os.path.abspath(out_prefix)))
     if os.path.exists(journal_path):  # none when there was nothing to copy
         os.remove(journal_path)
     return header

@@ -38,7 +38,7 @@ import numpy as np
 
 from megatron_stem.data.checks import check_token_files
 from megatron_stem.data.durable import read_json, write_json
-from megatron_stem.storage import fsync_folder
+from megatron_stem.storage import fsync_path
 from megatron_stem.data.indexed import bin_path, idx_path, index_size, merge, read_header
 from megatron_stem.errors import UserError
 
@@ -162,7 +162,7 @@ class GroupWriter:
                 merge([p.prefixes[key] for p in prefixes[i]], tmp, self.dtype)
                 os.replace(bin_path(tmp), bin_path(os.path.join(folder, names[i])))
                 os.replace(idx_path(tmp), idx_path(os.path.join(folder, names[i])))
-                fsync_folder(folder)
+                fsync_path(folder)
             write_json(self.progress_path, {"identity": self.identity, "prefixes": i + 1})
             if release is not None:
                 release(prefixes[i])
