@@ -177,15 +177,15 @@ def _data(recipe: Recipe, tokenizer) -> tuple[Prefetcher, dict[str | None, list[
     here by rank 0 only when that is quick."""
     train = recipe.train
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    plans = data_plans(recipe, tokenizer, Samples.of(recipe, dp))
+    samples = Samples.of(recipe, dp)
+    plans = data_plans(recipe, tokenizer, samples)
     prepare(list(plans.values()), dist.get_rank(), dist.barrier,
             f"python tools/build_data_cache.py --recipe <this recipe> [its overrides] "
             f"--ranks {dist.get_world_size()}")
     train_ds, sets = load_datasets(plans, recipe.data.split_validates)
     batches = StepBatches(train_ds, train.micro_batch_size, train.global_batch_size,
                           dp_rank, dp, device())
-    per_eval = Samples.of(recipe, dp).valid
-    valid = {name: StepBatches(ds, train.micro_batch_size, per_eval, dp_rank, dp,
+    valid = {name: StepBatches(ds, train.micro_batch_size, samples.valid, dp_rank, dp,
                                device()).microbatches(0) for name, ds in sets.items()}
     return Prefetcher(batches, train.steps), valid
 

@@ -265,7 +265,7 @@ stem_log "recipe $_stem_recipe | checkpoints $_stem_save_dir (latest: $(_stem_la
 stem_log "code $STEM_CODE_VERSION ($_stem_code_from)${STEM_CONTAINER:+ | container $STEM_CONTAINER}"
 
 # --- the data cache: built here, before any rank starts, so that no rank waits for rank 0
-# under the process groups' timeout (docs/data.md, "At scale") ---------------------------
+# under the process groups' timeout (docs/data.md, "Training data at scale") ----------
 if [[ ${STEM_BUILD_DATA_CACHE:-0} == 1 ]] && (( ! _stem_stop )); then
     stem_log "data cache: tools/build_data_cache.py on one node with $_stem_cpus CPUs"
     # On one node, in the ranks' environment (container included), with the job's code.

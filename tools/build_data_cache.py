@@ -8,7 +8,8 @@ step too: nothing to do when the cache is there). Every run of the same data, sp
 sequence length and batch then starts without building anything: the dense and STEM runs
 of a stage, every requeue. Prefixes are indexed in `--workers` processes, with a line per
 prefix; a killed build resumes where it stopped. `--ranks` is the run's number of GPUs
-(its validation batches depend on it). docs/data.md, "At scale".
+(its validation batches depend on it). docs/data.md, "Training data
+at scale".
 """
 
 import argparse

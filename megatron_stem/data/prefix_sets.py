@@ -232,7 +232,7 @@ def remove_unlisted(folder: str, manifest: dict, num_groups: int) -> None:
 class Prefix:
     path: str  # without .bin/.idx
     documents: int
-    tokens: Optional[int] = None  # known when a manifest lists it
+    tokens: int  # a manifest's count, else the .bin's size over its token size
 
 
 def is_prefix_set(entry: str) -> bool:
@@ -263,9 +263,11 @@ def _single(prefix: str, field: str) -> Prefix:
         raise UserError(f"{field}: {missing[0]} not found (give the path without .bin/.idx, "
                         "or a prefix-set folder, as written by preprocess_data.py)")
     try:
-        return Prefix(prefix, read_header(idx_path(prefix)).sequences)
+        header = read_header(idx_path(prefix))
     except UserError as e:
         raise UserError(f"{field}: {e}") from None
+    return Prefix(prefix, header.sequences,
+                  os.path.getsize(bin_path(prefix)) // np.dtype(header.dtype).itemsize)
 
 
 def resolve(entry: str, field: str, vocab_size: Optional[int] = None) -> list[Prefix]:

@@ -35,9 +35,8 @@ def check_training_data(data: DataConfig, vocab_size: int | None = None) -> None
     """Every token file the training data names exists, is whole and fits megatron's
     document ids (the error names the recipe field); with `vocab_size`, a sample of its ids
     too (data/checks.py)."""
-    entries, weights = data.training_blend()
-    training_entries(data)
-    resolve_blend(entries, weights, data.field_of, vocab_size)
+    _, weights = data.training_blend()
+    resolve_blend(training_entries(data), weights, data.field_of, vocab_size)
 
 
 def check_validation_sets(data: DataConfig, vocab_size: int | None = None) -> None:
@@ -87,7 +86,7 @@ def plans(recipe: Recipe, tokenizer, samples: Samples) -> dict[Optional[str], Pl
     cache = default_cache_dir(data)
     config = functools.partial(dataset_config, recipe.train.seed, recipe.model.seq_length,
                                tokenizer, cache, data)
-    entries, weights = data.training_blend()
+    _, weights = data.training_blend()
     prefixes, weights = resolve_blend(training_entries(data), weights, data.field_of)
     split = config(blend=([p.path for p in prefixes], weights), split=data.split)
     # A split not read (the test split; validation when `split` gives it no share) asks

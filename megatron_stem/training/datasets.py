@@ -4,8 +4,8 @@ shared cache, loaded by every rank without waiting and without per-document memo
 megatron's `BlendedMegatronDatasetBuilder` builds the sample indices on rank 0 while every
 other rank waits in a barrier, and gives every rank an int32 `arange` of each split's
 documents that it keeps for the whole run: at 3.5 billion documents, tens of minutes of
-rank 0 against a 30-minute process-group timeout, and 14 GB per rank (docs/data.md, "At
-scale"). Here the same datasets (megatron's `GPTDataset` and `BlendedDataset`, the same
+rank 0 against a 30-minute process-group timeout, and 14 GB per rank (docs/data.md,
+"Training data at scale"). Here the same datasets (megatron's `GPTDataset` and `BlendedDataset`, the same
 document ranges, sample counts and configuration, hence the same cache files and the same
 samples) are:
 
@@ -13,8 +13,8 @@ samples) are:
 - *built* (`build`) into `data.cache_dir`, by `tools/build_data_cache.py` (prefixes in
   parallel processes) or, when small, by rank 0 at start; each dataset's files are marked
   ready only once written, so a killed build resumes and is never read half-written;
-- *loaded* (`load`) with megatron's deferred index mmaps and a document range (a slice, not
-  an array): no barrier, nothing read before a sample is.
+- *loaded* (`Plan.datasets(deferred=True)`) with megatron's deferred index mmaps and a
+  document range (a slice, not an array): no barrier, nothing read before a sample is.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from megatron.core.datasets.blended_megatron_dataset_builder import (
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.utils import Split, normalize
 
-from megatron_stem.data.indexed import bin_path
 from megatron_stem.data.prefix_sets import Prefix
 from megatron_stem.errors import UserError
 
@@ -138,7 +137,7 @@ class Plan:
         seq = self.config.sequence_length
         documents = samples = 0.0
         for j, prefix in enumerate(self.prefixes):
-            tokens = prefix.tokens or _bin_tokens(prefix.path)
+            tokens = prefix.tokens
             for i, bookends in enumerate(self.split_matrix):
                 if bookends is None:
                     continue
@@ -161,10 +160,6 @@ def _read_randomly(low) -> None:
         raw = getattr(memmap, "_mmap", None)
         if raw is not None:
             raw.madvise(mmap.MADV_RANDOM)
-
-
-def _bin_tokens(prefix: str) -> int:
-    return os.path.getsize(bin_path(prefix)) // 2  # a lower bound: uint16 or int32 tokens
 
 
 def dataset_config(seed: int, seq_length: int, tokenizer, cache_dir: str, data,
