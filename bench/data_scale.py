@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from megatron_stem.config import DataConfig, DataSource, ModelConfig, Recipe, TrainConfig  # noqa: E402
 from megatron_stem.data.indexed import write_index  # noqa: E402
 from megatron_stem.data.prefix_sets import MANIFEST  # noqa: E402
+from megatron_stem.training import datasets  # noqa: E402
 
 MEAN_TOKENS = 1114  # OLMo-Mix-1124: ~3.9T tokens in ~3.5B documents
 SHARE = 0.26  # the 1T stage reads ~26% of an epoch of OLMo-Mix
@@ -93,7 +94,6 @@ def _anon_bytes() -> int:
 
 
 def _build(recipe: Recipe) -> dict:
-    from megatron_stem.training import datasets
     from megatron_stem.training.data import Samples, plans
 
     run_plans = list(plans(recipe, TOKENIZER, Samples.of(recipe, 32)).values())
@@ -113,10 +113,6 @@ def _start(recipe: Recipe) -> dict:
     train, _ = load_datasets(plans(recipe, TOKENIZER, Samples.of(recipe, 32)), True)
     StepBatches(train, 4, 512, 0, 32, torch.device("cpu")).host(0)
     return {"seconds": time.perf_counter() - start, "anon": _anon_bytes() - anon}
-
-
-def _cache_bytes(folder: str) -> int:
-    return sum(p.stat().st_size for p in Path(folder).glob("*.npy"))
 
 
 def _fit(rows: list[tuple[float, float]], values: list[float]) -> tuple[float, float]:
@@ -139,7 +135,7 @@ def measure_build(sizes: list[int], work: str) -> dict:
             result, peak = _in_child(_build, make_recipe([prefix], cache, seq, int(SHARE * epoch)))
             samples = epoch + int(SHARE * epoch)  # its epoch's sample index, and the blend
             points.append({"documents": n, "samples": samples, "seq": seq, **result,
-                           "peak": peak, "cache": _cache_bytes(cache)})
+                           "peak": peak, "cache": datasets.cache_bytes(cache)})
             print(f"  {n:>12,} documents, seq {seq:>5}: build {result['cpu']:7.2f} s CPU, "
                   f"peak {peak / 1e9:6.2f} GB, cache {points[-1]['cache'] / 1e9:6.2f} GB",
                   flush=True)
@@ -189,7 +185,6 @@ def measure_batches(work: str, gigabytes: float, steps: int = 8) -> dict:
     mapping's read-ahead as the kernel sets it and with MADV_RANDOM."""
     import torch
 
-    from megatron_stem.training import datasets
     from megatron_stem.training.data import Samples, StepBatches, load_datasets, plans
 
     prefix = os.path.join(work, "real")

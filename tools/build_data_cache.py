@@ -32,10 +32,6 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def cache_bytes(folder: str) -> int:
-    return sum(e.stat().st_size for e in os.scandir(folder) if e.is_file())
-
-
 @cli
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -64,7 +60,7 @@ def main(argv=None) -> int:
           flush=True)
     datasets.build(missing, args.workers, progress=lambda line: print(line, flush=True))
     print(f"done in {time.perf_counter() - start:.1f} s: {cache} holds "
-          f"{cache_bytes(cache) / 1e9:.2f} GB")
+          f"{datasets.cache_bytes(cache) / 1e9:.2f} GB")
     return 0
 
 

@@ -185,6 +185,12 @@ def _base(dataset) -> str:
                         f"{split.name}")
 
 
+def cache_bytes(folder: str) -> int:
+    """Bytes of the sample indices (megatron's `.npy` files) in a cache folder."""
+    return sum(e.stat().st_size for e in os.scandir(folder)
+               if e.is_file() and e.name.endswith(".npy"))
+
+
 def _is_ready(dataset) -> bool:
     return os.path.isfile(_base(dataset) + "-ready")
 
