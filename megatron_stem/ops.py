@@ -19,13 +19,13 @@ import io
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Optional
+
+from megatron_stem.errors import UserError
 
 
 def _cpu_model() -> str:
@@ -91,124 +91,112 @@ def _ask_cpuinfo_once() -> None:
     cpuinfo.get_cpu_info = get_cpu_info
 
 
-# torch's build lock (`FileBaton`: a file created exclusively, removed when the build ends)
-# is waited for forever by every later load when its build was killed. Our loads write the
-# lock's owner in it (`_owned_baton`) and remove a lock whose owner is gone; a lock with no
-# owner (another program's build) is judged by its age: older than this only when its build
-# was killed (a build takes a few minutes).
-STALE_LOCK_S = 30 * 60
+# A JIT build holds its folder's `lock` while it builds, and every other load of the op
+# waits for it. torch 2.15 holds it as an OS advisory lock (`flock`, through the filelock
+# package) and leaves the file in place after the build: the file's existence means nothing,
+# and the kernel releases the lock of a process that dies. torch 2.13-2.14 used the file's
+# existence (`FileBaton`: created exclusively, removed at the end), which a killed build left
+# behind for every later load to wait on forever. Our loads give those versions torch 2.15's
+# lock (`_os_lock_baton`), so with any supported torch a lock is judged by whether a running
+# process holds it: never by the file's existence or age.
+#
 # Another rank's load holds the lock while ninja checks a built op is up to date: well under
-# a second, seconds on a loaded node. A lock still there after this is a build: said.
+# a second, seconds on a loaded node. A lock still held after this is a build: said.
 QUIET_WAIT_S = 10.0
 
 
-class _BuildDied(Exception):
-    """The build this load waited for was killed; its lock is removed: load again."""
+def _os_lock(fd: int, lock: Path, exclusive: bool = True, blocking: bool = True) -> bool:
+    """flock on `fd`; False when another process holds it and `blocking` is off."""
+    import fcntl
 
-
-def _running(pid: int) -> bool:
-    """Whether process `pid` of this host runs (a zombie, killed and not yet reaped, does not)."""
-    if Path("/proc/self/stat").exists():
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except (FileNotFoundError, ProcessLookupError):
-            return False
+    mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fcntl.flock(fd, mode | (0 if blocking else fcntl.LOCK_NB))
+        return True
+    except BlockingIOError:
         return False
-    except PermissionError:
-        pass
-    return True
+    except OSError as e:  # ENOLCK, EOPNOTSUPP: a filesystem without file locks
+        raise UserError(f"{lock}: the ops' build lock needs file locks, which its filesystem "
+                        f"refuses ({e.strerror}): set TORCH_EXTENSIONS_DIR to a local folder "
+                        "(each node then builds the ops once)") from None
 
 
-def _dead_owner(lock: Path) -> Optional[int]:
-    """The PID that wrote `lock` when it is a process of this host that no longer runs;
-    None for a live owner, another host's, or none recorded."""
+def held_by_another(lock: Path) -> bool:
+    """Whether a running process holds `lock` (a build or an up-to-date check in progress)."""
     try:
-        host, pid = lock.read_text().split()
-        pid = int(pid)
-    except (OSError, ValueError):
-        return None
-    return pid if host == socket.gethostname() and not _running(pid) else None
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        # Shared: it conflicts with a holder's exclusive lock and, on NFS (where flock is a
+        # byte-range lock), needs only read access.
+        free = _os_lock(fd, lock, exclusive=False, blocking=False)
+    finally:
+        os.close(fd)  # closing releases the probe's lock
+    return not free
 
 
-def _owned_baton():
-    """torch's `FileBaton` with its owner ("host pid") written in the lock it takes, and a
-    wait that ends when that owner dies (torch's waits for the file forever)."""
+def _os_lock_baton():
+    """torch 2.13-2.14's `FileBaton` as torch 2.15's build lock: the acquire waits for the
+    OS lock and always gets it (then the build, or ninja's up-to-date check, runs under it);
+    the release leaves the file."""
     from torch.utils.file_baton import FileBaton
 
-    class OwnedBaton(FileBaton):
+    class OsLockBaton(FileBaton):
         def try_acquire(self) -> bool:
-            if not super().try_acquire():
-                return False
-            Path(self.lock_file_path).write_text(f"{socket.gethostname()} {os.getpid()}")
+            self.fd = os.open(self.lock_file_path, os.O_RDWR | os.O_CREAT, 0o644)
+            _os_lock(self.fd, Path(self.lock_file_path))
             return True
 
-        def wait(self) -> None:
-            lock = Path(self.lock_file_path)
-            while lock.exists():
-                if _dead_owner(lock) is not None:
-                    lock.unlink(missing_ok=True)
-                    raise _BuildDied(lock)
-                time.sleep(self.wait_seconds)
+        def wait(self) -> None:  # not reached: `try_acquire` always acquires
+            self.try_acquire()
+            self.release()
 
-    return OwnedBaton
+        def release(self) -> None:
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+
+    return OsLockBaton
 
 
-def _use_owned_batons() -> None:
+def _use_os_lock_batons() -> None:
+    """Where torch's JIT build still takes a `FileBaton` (torch < 2.15)."""
     from torch.utils import cpp_extension
 
-    if not getattr(cpp_extension.FileBaton, "owned", False):
-        cpp_extension.FileBaton = _owned_baton()
-        cpp_extension.FileBaton.owned = True
+    baton = getattr(cpp_extension, "FileBaton", None)
+    if baton is not None and not getattr(baton, "os_lock", False):
+        cpp_extension.FileBaton = _os_lock_baton()
+        cpp_extension.FileBaton.os_lock = True
 
 
-def _clear_stale_lock(lock: Path, what: str) -> None:
-    """Remove `lock` when its build died; say why a load waits when one is running."""
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    dead = _dead_owner(lock)
-    if dead is not None or age > STALE_LOCK_S:
-        try:
-            lock.unlink()
-        except FileNotFoundError:  # another rank of the node removed it: it says so
-            return
-        by = f"process {dead}, gone" if dead is not None else f"{age / 60:.0f} min ago"
-        print(f"removed {lock}, left by {by}: a build of {what} that did not finish; "
-              "building again", flush=True)
-        return
+def _say_when_waiting(lock: Path, what: str) -> None:
+    """Say why a load waits when another process holds the lock for longer than a check."""
     waited = 0.0
-    while lock.exists() and waited < QUIET_WAIT_S:
+    while held_by_another(lock) and waited < QUIET_WAIT_S:
         time.sleep(0.1)
         waited += 0.1
-    if lock.exists() and _speaks():
-        print(f"waiting for another process's build of {what} (its lock {lock} is "
-              f"{age + waited:.0f} s old: delete it if no build is running)", flush=True)
+    if waited >= QUIET_WAIT_S and _speaks():
+        print(f"waiting for another process's build of {what} (it holds {lock}; the lock "
+              "is released when that process ends, however it ends)", flush=True)
 
 
 def load(builder, what: str):
-    """`builder.load()` from the one folder, announced when it has to compile first; a
-    build it waits for that dies is taken over."""
+    """`builder.load()` from the one folder, announced when it has to compile first. A
+    build it waits for that dies releases its lock, and this load builds."""
     _ask_cpuinfo_once()
-    _use_owned_batons()
+    _use_os_lock_batons()
     folder = use_extensions_dir()
-    _clear_stale_lock(folder / builder.name / "lock", what)
+    _say_when_waiting(folder / builder.name / "lock", what)
     if not (folder / builder.name / f"{builder.name}.so").is_file() and _speaks():
         print(f"building {what}, once per environment, ~1-2 min (into {folder})", flush=True)
-    try:
-        return builder.load()
-    except _BuildDied:  # its lock is removed
-        print(f"the build of {what} this load waited for died; building again", flush=True)
-        return builder.load()
+    return builder.load()
 
 
 def build_all_within(seconds: float) -> bool:
     """`build_all` in a child process given `seconds`. False, with one line, when it did
-    not finish: the child and its compilers are killed (the locks they held name a dead
-    owner, which the next load removes) and the caller runs the torch kernel."""
+    not finish: the child and its compilers are killed (the kernel releases the locks they
+    held) and the caller runs the torch kernel."""
     child = subprocess.Popen([sys.executable, "-c", "from megatron_stem import ops; ops.build_all()"],
                              start_new_session=True)
     try:
