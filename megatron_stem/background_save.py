@@ -35,6 +35,7 @@ from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSys
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_stem import checkpoint, storage
+from megatron_stem.mcore_versions import ASYNC_SAVE_ARGS
 from megatron_stem.parallel import device
 
 
@@ -56,7 +57,7 @@ class BackgroundSave:
         what this rank writes to host memory."""
         request = dist_checkpointing.save(sharded_state_dict, str(folder),
                                           sharded_strategy=checkpoint.parallel_save_strategy(),
-                                          async_sharded_save=True)
+                                          async_sharded_save=True, **ASYNC_SAVE_ARGS)
         buckets = _host_copies(request.async_fn_args[1]) if request.async_fn else None
         self._writes.append((request, buckets))
 

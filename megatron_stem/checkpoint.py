@@ -37,8 +37,8 @@ import torch.distributed as dist
 import yaml
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
-from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
 )
@@ -47,6 +47,7 @@ from megatron_stem import checksums, storage
 from megatron_stem.code_version import code_version
 from megatron_stem.config import Recipe, from_dict, to_dict, upgrade_saved_recipe
 from megatron_stem.errors import UserError
+from megatron_stem.mcore_versions import SAVE_THREADS, check_readable
 
 LATEST = "latest"
 COMPLETE = "COMPLETE"
@@ -276,15 +277,16 @@ def save_sharded(sharded_state_dict: dict, folder: Path, background=None) -> Non
                                 sharded_strategy=parallel_save_strategy())
 
 
-def parallel_save_strategy() -> FullyParallelSaveStrategyWrapper | None:
+def parallel_save_strategy() -> FullyParallelSaveStrategyWrapper | TorchDistSaveShardedStrategy:
     """Megatron's torch_dist save with the writes spread over the data-parallel replicas:
     each tensor shard replicated over DP is written by one of them, chosen to balance the
-    bytes per rank (only metadata is exchanged). Without it DP rank 0 writes them all."""
+    bytes per rank (only metadata is exchanged). Without it DP rank 0 writes them all. Each
+    rank writes `mcore_versions.SAVE_THREADS` files, whichever megatron-core writes them."""
     _keep_write_results_in_process()
+    files = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=SAVE_THREADS)
     if not dist.is_initialized() or not ps.model_parallel_is_initialized():
-        return None
-    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
-                                            ps.get_data_parallel_group())
+        return files
+    return FullyParallelSaveStrategyWrapper(files, ps.get_data_parallel_group())
 
 
 def _keep_write_results_in_process() -> None:
@@ -311,6 +313,7 @@ def load_model(model, ckpt: Path, tables: str = "keep", dense_source: bool = Fal
     if dense_source:
         sharded = {k: _from_dense_mlp(v) if _STEM_MLP.search(k) else v
                    for k, v in sharded.items()}
+    check_readable(ckpt / MODEL)
     # The dense up halves are never read, which megatron's check that every part of a
     # tensor is read exactly once would refuse.
     state = dist_checkpointing.load(sharded, str(ckpt / MODEL),

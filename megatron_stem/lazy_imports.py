@@ -12,7 +12,10 @@ processes; two things made up about 4 s of CPU of each process's start:
   a compiled function ever runs (a CPU run has the fusions off:
   `cpu_compat.transformer_config_overrides`; the recipes train with Adam, not Muon). Both
   decorators call `torch.compile` on a function's first call instead: a compiled function
-  is compiled at its first call anyway, with the same arguments.
+  is compiled at its first call anyway, with the same arguments. megatron-core 0.19 also
+  decorates its MoE inference router with a bare `@torch.compile` (`transformer/moe/
+  router.py`, imported by the pipeline schedules whatever the model): while that module
+  runs, `torch.compile` is the same lazy decorator (`LAZY_TORCH_COMPILE`).
 - **Weights & Biases.** megatron-core's inference context and timers `import wandb` at
   import time (~1 s: its settings are pydantic models that read their own source) and
   touch it only when told to log there. `wandb`'s code runs at the first use of one of its
@@ -37,6 +40,8 @@ LAZY_DECORATORS = {
     "megatron.core.jit": lambda m: setattr(m, "jit_fuser", lazy(m.jit_fuser)),
     "deepspeed.runtime.compiler": lambda m: setattr(m, "compile", _lazy_maker(m.compile)),
 }
+# modules whose own code calls `torch.compile` as it runs (a bare decorator)
+LAZY_TORCH_COMPILE = ("megatron.core.transformer.moe.router",)
 # top-level modules whose code runs at the first use of one of their attributes
 LAZY_MODULES = ("wandb",)
 
@@ -61,6 +66,29 @@ def lazy(decorator):
 def _lazy_maker(make):
     """`make()` returns a decorator: the same, applied at the function's first call."""
     return lambda *args, **kwargs: lazy(make(*args, **kwargs))
+
+
+def _lazy_compile(compile_):
+    """`torch.compile`, as `@torch.compile` or `@torch.compile(...)`, applied at the
+    function's first call."""
+
+    def compile(model=None, **kwargs):
+        decorate = lazy(lambda fn: compile_(fn, **kwargs))
+        return decorate if model is None else decorate(model)
+    return compile
+
+
+def _with_lazy_torch_compile(exec_module):
+    def load(module):
+        import torch
+
+        compile_ = torch.compile
+        torch.compile = _lazy_compile(compile_)
+        try:
+            exec_module(module)
+        finally:
+            torch.compile = compile_
+    return load
 
 
 class _LoadedAtFirstUse(types.ModuleType):
@@ -89,11 +117,12 @@ class _AtFirstUse(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    """Finds the modules of `LAZY_DECORATORS` and `LAZY_MODULES` as usual, and changes how
-    they are loaded."""
+    """Finds the modules of `LAZY_DECORATORS`, `LAZY_TORCH_COMPILE` and `LAZY_MODULES` as
+    usual, and changes how they are loaded."""
 
     def find_spec(self, name, path=None, target=None):
-        if name not in LAZY_DECORATORS and name not in LAZY_MODULES:
+        if name not in LAZY_DECORATORS and name not in LAZY_MODULES \
+                and name not in LAZY_TORCH_COMPILE:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -102,6 +131,9 @@ class _Finder(importlib.abc.MetaPathFinder):
             spec.loader = _AtFirstUse(spec.loader)
             return spec
         exec_module = spec.loader.exec_module
+        if name in LAZY_TORCH_COMPILE:
+            spec.loader.exec_module = _with_lazy_torch_compile(exec_module)
+            return spec
 
         def load(module):
             exec_module(module)

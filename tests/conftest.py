@@ -26,6 +26,15 @@ WORKERS = ROOT / "tests" / "workers"
 os.environ.setdefault("STEM_CHECK_HOST_TENSORS", "1")
 
 
+def pytest_configure(config):
+    """The warning filters every process of the package has (quiet.py, installed by its
+    import) in every test as well: pytest restores the filters after collecting and after
+    each test, which would drop those installed by an import during collection."""
+    from megatron_stem import quiet
+
+    quiet.install()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -123,11 +123,11 @@ def test_a_whole_checkpoint_resumes_silently_and_nothing_whole_is_an_error(saved
     assert resume_point(save_dir, recipe, said.append) == save_dir / "iter_0000002"
     assert said == []
     for step in (1, 2):
-        (save_dir / f"iter_000000{step}" / "model" / "common.pt").unlink()
+        (save_dir / f"iter_000000{step}" / "model" / "metadata.json").unlink()
     with pytest.raises(UserError, match=r"run: no whole checkpoint to resume from \(see the "
                                         r"lines above\); move the folder away"):
         resume_point(save_dir, recipe, said.append)
-    assert len(said) == 2 and all("common.pt: missing" in line for line in said)
+    assert len(said) == 2 and all("metadata.json: missing" in line for line in said)
     assert resume_point(save_dir.parent / "fresh", recipe) is None
 
 

@@ -66,3 +66,55 @@ def test_other_model_shape_is_a_clear_error():
     a, b = Recipe(model=tiny_model()), Recipe(model=tiny_model("none"))
     with pytest.raises(UserError, match=r"model\.stem_layers: checkpoint '1/2', recipe 'none'"):
         checkpoint.check_same_shape(a, b, "ckpt")
+
+
+def _in_the_other_layout(dist_folder, out):
+    """`dist_folder` rewritten in the layout of the megatron-core versions not installed:
+    common state in common.pt (0.16.1-0.18) or inside the shards (0.19+)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_stem import mcore_versions
+    from megatron_stem.hf.dist_io import CheckpointReader, write_checkpoint
+
+    reader = CheckpointReader(dist_folder)
+    tensors = {k: (reader.shape(k), reader.dtype(k), lambda k=k: reader.read(k))
+               for k in reader.keys()}
+    extra = [k.rsplit("/shard_", 1)[0] for k in
+             FileSystemReader(str(dist_folder)).read_metadata().state_dict_metadata
+             if "_extra_state" in k]
+    installed = mcore_versions.COMMON_STATE_IN_SHARDS
+    mcore_versions.COMMON_STATE_IN_SHARDS = not installed
+    try:
+        write_checkpoint(out, tensors, extra)
+    finally:
+        mcore_versions.COMMON_STATE_IN_SHARDS = installed
+
+
+def test_checkpoints_of_the_other_megatron_layout_load_or_are_refused_in_one_line(world1,
+                                                                                   tmp_path):
+    """megatron-core 0.19 keeps a checkpoint's common state inside its shards, 0.16.1-0.18 in
+    common.pt. 0.19 reads both; 0.16.1-0.18 refuse the newer one in one line (megatron's own
+    load fails deep inside on the missing file). Whichever version is installed, the other's
+    layout is checked here."""
+    from megatron_stem import mcore_versions
+
+    recipe = Recipe(model=tiny_model())
+    model = build_model(recipe.model, ParallelConfig(), seed=1)
+    with checkpoint.Writer(tmp_path / "native", 1, recipe) as folder:
+        checkpoint.save_model(model, folder)
+    native = checkpoint.resolve(tmp_path / "native")
+    assert (native / "model" / "common.pt").exists() != mcore_versions.COMMON_STATE_IN_SHARDS
+    other = tmp_path / "other"
+    _in_the_other_layout(native / "model", other / "model")
+    assert (other / "model" / "common.pt").exists() == mcore_versions.COMMON_STATE_IN_SHARDS
+    loaded = build_model(recipe.model, ParallelConfig(), seed=2)
+    if mcore_versions.COMMON_STATE_IN_SHARDS:
+        checkpoint.load_model(loaded, other)
+        for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a, b), name
+    else:
+        with pytest.raises(UserError, match=r"model: written by megatron-core 0.19 or newer, "
+                           r"which keeps its common state inside the shards; this "
+                           r"environment's megatron-core 0\.1[678]\.\d+ reads only"):
+            checkpoint.load_model(loaded, other)

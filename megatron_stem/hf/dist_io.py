@@ -10,8 +10,6 @@ only when DCP writes it), loadable by `checkpoint.load_model` at any TP/PP layou
 
 from __future__ import annotations
 
-import contextlib
-import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -22,14 +20,6 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from megatron_stem.errors import UserError
-
-
-@contextlib.contextmanager
-def _single_process():
-    """DCP warns on every call that it assumes one process: here that is the intent."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 class CheckpointReader:
@@ -52,9 +42,9 @@ class CheckpointReader:
 
     def read(self, key: str) -> torch.Tensor:
         out = torch.empty(self.shape(key), dtype=self.dtype(key))
-        # no_dist: a local read, also inside a job whose process group is up.
-        with _single_process():
-            dcp.load({key: out}, storage_reader=self._reader, no_dist=True)
+        # no_dist: a local read, also inside a job whose process group is up (its warning
+        # that it assumes one process: quiet.py).
+        dcp.load({key: out}, storage_reader=self._reader, no_dist=True)
         return out
 
 
@@ -71,32 +61,37 @@ class _LazySavePlanner(DefaultSavePlanner):
         return self._producers[write_item.index.fqn]()
 
 
-def _extra_state_object(key: str) -> tuple[str, list]:
-    """The DCP entry megatron writes for a module's `_extra_state` (None for our layers):
-    a ShardedObject, stored as the list of its shards' data (DCP torch.saves it)."""
+def _sharded_object(key: str, data) -> tuple[str, list]:
+    """The DCP entry megatron writes for a ShardedObject of one shard (a module's
+    `_extra_state`, None for our layers; 0.19's `common_state`): the list of its shards' data,
+    which DCP torch.saves."""
     from megatron.core.dist_checkpointing import ShardedObject
 
-    return ShardedObject(key, None, (1,), (0,), replica_id=0).unique_key, [None]
+    return ShardedObject(key, None, (1,), (0,), replica_id=0).unique_key, [data]
 
 
 def write_checkpoint(folder: Path, tensors: dict[str, tuple[tuple[int, ...], torch.dtype,
                                                             Callable[[], torch.Tensor]]],
                      extra_state_keys: list[str]) -> None:
     """Write a megatron dist checkpoint of `tensors` (key -> global shape, dtype, producer)
-    into the empty folder `folder`, in the format `dist_checkpointing.save` writes."""
+    into the empty folder `folder`, in the format the installed megatron-core's
+    `dist_checkpointing.save` writes (mcore_versions.COMMON_STATE_IN_SHARDS)."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
+    from megatron_stem.mcore_versions import COMMON_STATE_IN_SHARDS
 
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: torch.empty(shape, dtype=dtype, device="meta")
              for k, (shape, dtype, _) in tensors.items()}
-    state.update(_extra_state_object(k) for k in extra_state_keys)
+    state.update(_sharded_object(k, None) for k in extra_state_keys)
+    common = {}  # the non-sharded part of the state dict: empty for StemGPTModel
+    if COMMON_STATE_IN_SHARDS:
+        state.update([_sharded_object("common_state", common)])
     writer = dcp.FileSystemWriter(str(folder), single_file_per_rank=True, thread_count=1,
                                   per_thread_copy_ahead=0)  # no read-ahead: one tensor in flight
-    with _single_process():
-        dcp.save(state, storage_writer=writer, no_dist=True, planner=_LazySavePlanner(
-            {k: produce for k, (_, _, produce) in tensors.items()}))
-    # The non-sharded part of the state dict: empty for StemGPTModel.
-    torch.save({}, folder / "common.pt")
-    save_config(CheckpointingConfig(sharded_backend="torch_dist", sharded_backend_version=1,
-                                    common_backend="torch", common_backend_version=1),
+    dcp.save(state, storage_writer=writer, no_dist=True, planner=_LazySavePlanner(
+        {k: produce for k, (_, _, produce) in tensors.items()}))
+    if not COMMON_STATE_IN_SHARDS:
+        torch.save(common, folder / "common.pt")
+    save_config(CheckpointingConfig(sharded_backend="torch_dist", sharded_backend_version=1),
                 str(folder))

@@ -37,7 +37,7 @@ MEGATRON_RECOMPUTE_MODULES = ("core_attn", "mlp")
 class StemGPTModel(GPTModel):
     """GPTModel that delivers the input token ids to every STEM MLP.
 
-    THE SEAM. megatron-core 0.16 calls an MLP with `hidden_states` and `padding_mask` only,
+    THE SEAM. megatron-core (0.16.1-0.19) calls an MLP with `hidden_states` and `padding_mask`,
     and threads `padding_mask` through every layer, through activation recompute (as a
     checkpointed tensor argument, so the replay sees the same ids) and on every pipeline
     stage (each stage's forward receives it, so nothing global can go stale under 1F1B).
@@ -199,8 +199,9 @@ class _DropUnknownStemMLP(logging.Filter):
 
 
 def _quiet_unknown_mlp_warning() -> None:
-    """TransformerLayer warns 'Unknown MLP type' for any MLP class it does not list; for
-    StemMLP that is expected (it takes its TP group from parallel_state), not a problem."""
+    """megatron-core 0.16-0.17's TransformerLayer warns 'Unknown MLP type' for any MLP class
+    it does not list; for ours that is expected (they take their TP group from
+    parallel_state: mcore_versions.mlp_tp_group), not a problem."""
     logger = logging.getLogger("megatron.core.transformer.transformer_layer")
     if not any(isinstance(f, _DropUnknownStemMLP) for f in logger.filters):
         logger.addFilter(_DropUnknownStemMLP())

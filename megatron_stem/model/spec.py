@@ -21,6 +21,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from megatron_stem.config import ModelConfig
+from megatron_stem.mcore_versions import mlp_tp_group
 from megatron_stem.model.attention import SDPAttention
 from megatron_stem.model.norm import RMSNorm
 from megatron_stem.model.recompute import down_of_recomputed, swiglu
@@ -37,8 +38,11 @@ class SwiGLUMLP(MLP):
     """megatron's dense MLP (SwiGLU, no bias), whose activation may be recomputed in
     backward (model/recompute.py)."""
 
-    def __init__(self, *args, recompute_activation: bool = False, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, config: TransformerConfig, submodules: MLPSubmodules,
+                 tp_group=None, recompute_activation: bool = False, pg_collection=None,
+                 is_mtp_layer: bool = False, name: str | None = None):
+        super().__init__(config=config, submodules=submodules,
+                         tp_group=mlp_tp_group(tp_group, pg_collection))
         self.recompute_activation = recompute_activation
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):

@@ -12,6 +12,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
+from megatron_stem.mcore_versions import mlp_tp_group
 from megatron_stem.model.recompute import down_of_recomputed
 
 
@@ -35,10 +36,11 @@ class StemMLP(MegatronModule):
     def __init__(self, config: TransformerConfig, submodules: StemMLPSubmodules,
                  vocab_size: int, table_seed: int,
                  tp_group: Optional[torch.distributed.ProcessGroup] = None,
-                 table_placement: str = "device", recompute_activation: bool = False):
+                 table_placement: str = "device", recompute_activation: bool = False,
+                 pg_collection=None, is_mtp_layer: bool = False, name: Optional[str] = None):
         super().__init__(config=config)
         self.recompute_activation = recompute_activation  # model/recompute.py
-        tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+        tp_group = get_tensor_model_parallel_group_if_none(mlp_tp_group(tp_group, pg_collection))
         linear_args = dict(config=config, bias=False, skip_bias_add=True, is_expert=False,
                            tp_group=tp_group)
         self.linear_gate = build_module(

@@ -28,6 +28,7 @@ from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_te
 
 from megatron_stem.checkpoint import save_sharded
 from megatron_stem.errors import UserError
+from megatron_stem.mcore_versions import check_readable
 from megatron_stem.training.tables.adam import replay_deepspeed_steps
 from megatron_stem.training.tables.optimizer import TableOptimizer
 
@@ -153,6 +154,7 @@ def load_optimizers(model, zero_optimizer, tables: TableOptimizer, ckpt: Path,
     """Restore the dense and table optimizer states of `ckpt` with bounded memory: the
     tables' (most of it) straight into the live tensors, each rank its own part; the dense
     parameters' full states, which ZeRO then slices, a batch of parameters at a time."""
+    check_readable(ckpt / OPTIM)
     table_states = tables.state_tensors()
     _create_dense_states(zero_optimizer, step)
     _link_optimizer_states(zero_optimizer)
