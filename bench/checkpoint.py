@@ -119,7 +119,9 @@ def compare_checksums(megabytes: int = 256) -> dict[str, float]:
 
     algorithms = {"xxh3_64": lambda b: xxhash.xxh3_64(b).digest(),
                   "xxh64": lambda b: xxhash.xxh64(b).digest(),
-                  "zlib.crc32": zlib.crc32, "sha1": lambda b: hashlib.sha1(b).digest()}
+                  "zlib.crc32": zlib.crc32, "sha1": lambda b: hashlib.sha1(b).digest(),
+                  # megatron-core 0.18+'s `save(verify_integrity=True)` manifest
+                  "sha256": lambda b: hashlib.sha256(b).digest()}
     try:
         import crc32c
         algorithms["crc32c"] = crc32c.crc32c
