@@ -36,6 +36,10 @@ IGNORED_WARNINGS = [
 IGNORED_LOGS = {
     # Training on CPU is what the recipe asked for; DeepSpeed guesses it was a mistake.
     "DeepSpeed": ("Setting accelerator to CPU. If you have GPU",),
+    # The same with a CUDA build of torch on a machine without a GPU (a CPU run, a login
+    # node): torch's JIT-build module says so as it is imported; the ops a CPU run builds
+    # are CPU ops.
+    "torch.utils.cpp_extension": ("No CUDA runtime is found",),
     # A failed checkpoint write, logged by the writer before it raises the same error
     # (which a full disk turns into one line: checkpoint.Writer).
     "megatron.core.dist_checkpointing.strategies.filesystem_async": ("Local process ",),

@@ -68,9 +68,9 @@ def test_other_model_shape_is_a_clear_error():
         checkpoint.check_same_shape(a, b, "ckpt")
 
 
-def _in_the_other_layout(dist_folder, out):
-    """`dist_folder` rewritten in the layout of the megatron-core versions not installed:
-    common state in common.pt (0.16.1-0.18) or inside the shards (0.19+)."""
+def _in_layout(dist_folder, out, common_state_in_shards: bool):
+    """`dist_folder` rewritten by `hf.dist_io.write_checkpoint` in the layout of megatron-core
+    0.16.1-0.18 (common state in common.pt) or of 0.19+ (inside the shards)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     from megatron_stem import mcore_versions
@@ -83,19 +83,36 @@ def _in_the_other_layout(dist_folder, out):
              FileSystemReader(str(dist_folder)).read_metadata().state_dict_metadata
              if "_extra_state" in k]
     installed = mcore_versions.COMMON_STATE_IN_SHARDS
-    mcore_versions.COMMON_STATE_IN_SHARDS = not installed
+    mcore_versions.COMMON_STATE_IN_SHARDS = common_state_in_shards
     try:
         write_checkpoint(out, tensors, extra)
     finally:
         mcore_versions.COMMON_STATE_IN_SHARDS = installed
 
 
-def test_checkpoints_of_the_other_megatron_layout_load_or_are_refused_in_one_line(world1,
-                                                                                   tmp_path):
+def _common_state(dist_folder):
+    """A dist checkpoint's common state, read as the megatron-core that wrote it reads it."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    if (dist_folder / "common.pt").exists():
+        return torch.load(dist_folder / "common.pt", weights_only=True)
+    read = {"common_state/shard_0_1": io.BytesIO()}
+    dcp.load(read, storage_reader=dcp.FileSystemReader(str(dist_folder)), no_dist=True)
+    shards = read["common_state/shard_0_1"]  # the list of the shards' data, or its bytes
+    if isinstance(shards, io.BytesIO):
+        shards.seek(0)
+        shards = torch.load(shards, weights_only=True)
+    return shards[0]
+
+
+def test_checkpoints_of_either_megatron_layout_load_or_are_refused_in_one_line(world1,
+                                                                               tmp_path):
     """megatron-core 0.19 keeps a checkpoint's common state inside its shards, 0.16.1-0.18 in
-    common.pt. 0.19 reads both; 0.16.1-0.18 refuse the newer one in one line (megatron's own
-    load fails deep inside on the missing file). Whichever version is installed, the other's
-    layout is checked here."""
+    common.pt. The HF import writes either, the common state as megatron's own save has it.
+    0.19 reads both; 0.16.1-0.18 refuse the newer one in one line (megatron's own load fails
+    deep inside on the missing file). Whichever version is installed, both are checked."""
     from megatron_stem import mcore_versions
 
     recipe = Recipe(model=tiny_model())
@@ -104,17 +121,19 @@ def test_checkpoints_of_the_other_megatron_layout_load_or_are_refused_in_one_lin
         checkpoint.save_model(model, folder)
     native = checkpoint.resolve(tmp_path / "native")
     assert (native / "model" / "common.pt").exists() != mcore_versions.COMMON_STATE_IN_SHARDS
-    other = tmp_path / "other"
-    _in_the_other_layout(native / "model", other / "model")
-    assert (other / "model" / "common.pt").exists() == mcore_versions.COMMON_STATE_IN_SHARDS
-    loaded = build_model(recipe.model, ParallelConfig(), seed=2)
-    if mcore_versions.COMMON_STATE_IN_SHARDS:
-        checkpoint.load_model(loaded, other)
+    for in_shards in (False, True):
+        written = tmp_path / f"in_shards_{in_shards}"
+        _in_layout(native / "model", written / "model", in_shards)
+        assert (written / "model" / "common.pt").exists() != in_shards
+        assert _common_state(written / "model") == _common_state(native / "model")
+        loaded = build_model(recipe.model, ParallelConfig(), seed=2)
+        if in_shards and not mcore_versions.COMMON_STATE_IN_SHARDS:
+            with pytest.raises(UserError, match=r"model: written by megatron-core 0.19 or "
+                               r"newer, which keeps its common state inside the shards; this "
+                               r"environment's megatron-core 0\.1[678]\.\d+ reads only"):
+                checkpoint.load_model(loaded, written)
+            continue
+        checkpoint.load_model(loaded, written)
         for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
             if isinstance(a, torch.Tensor):
                 assert torch.equal(a, b), name
-    else:
-        with pytest.raises(UserError, match=r"model: written by megatron-core 0.19 or newer, "
-                           r"which keeps its common state inside the shards; this "
-                           r"environment's megatron-core 0\.1[678]\.\d+ reads only"):
-            checkpoint.load_model(loaded, other)

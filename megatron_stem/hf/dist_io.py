@@ -10,6 +10,7 @@ only when DCP writes it), loadable by `checkpoint.load_model` at any TP/PP layou
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Callable
 
@@ -63,11 +64,19 @@ class _LazySavePlanner(DefaultSavePlanner):
 
 def _sharded_object(key: str, data) -> tuple[str, list]:
     """The DCP entry megatron writes for a ShardedObject of one shard (a module's
-    `_extra_state`, None for our layers; 0.19's `common_state`): the list of its shards' data,
-    which DCP torch.saves."""
+    `_extra_state`, None for our layers): the list of its shards' data (DCP torch.saves it)."""
     from megatron.core.dist_checkpointing import ShardedObject
 
     return ShardedObject(key, None, (1,), (0,), replica_id=0).unique_key, [data]
+
+
+def _common_state_object(common: dict) -> tuple[str, io.BytesIO]:
+    """megatron-core 0.19's `common_state` entry: as its save writes it, the list torch.saved
+    into bytes (DCP would flatten a plain list, and drop an empty dict in it)."""
+    key, data = _sharded_object("common_state", common)
+    serialized = io.BytesIO()
+    torch.save(data, serialized)
+    return key, serialized
 
 
 def write_checkpoint(folder: Path, tensors: dict[str, tuple[tuple[int, ...], torch.dtype,
@@ -86,7 +95,7 @@ def write_checkpoint(folder: Path, tensors: dict[str, tuple[tuple[int, ...], tor
     state.update(_sharded_object(k, None) for k in extra_state_keys)
     common = {}  # the non-sharded part of the state dict: empty for StemGPTModel
     if COMMON_STATE_IN_SHARDS:
-        state.update([_sharded_object("common_state", common)])
+        state.update([_common_state_object(common)])
     writer = dcp.FileSystemWriter(str(folder), single_file_per_rank=True, thread_count=1,
                                   per_thread_copy_ahead=0)  # no read-ahead: one tensor in flight
     dcp.save(state, storage_writer=writer, no_dist=True, planner=_LazySavePlanner(
