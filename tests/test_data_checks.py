@@ -87,3 +87,37 @@ def test_the_trainer_refuses_ids_above_the_vocabulary_before_it_starts(tmp_path)
 def test_max_token_id_reads_every_id(tmp_path):
     prefix = write_documents(str(tmp_path / "toy"), 0, progressions())
     assert max_token_id(prefix) == 299  # the eod
+
+
+def test_a_prefix_sets_largest_id_is_checked_whole_from_its_manifest(tmp_path):
+    """Sampling reads a few spans of each .bin; a prefix set's manifest records each
+    prefix's largest id, every id read by preprocessing, so one id above the vocabulary
+    anywhere is refused at start."""
+    import itertools
+    import json
+
+    from megatron_stem.data.prefix_sets import MANIFEST, set_record
+
+    folder = tmp_path / "set"
+    folder.mkdir()
+    # One id above 4096, in document 3,000 of 20,000 (about 153k tokens into 1M): between
+    # the spans sampling reads (16 of 4,096 tokens, spread evenly).
+    rare = itertools.chain([False] * 3000, [True], itertools.repeat(False))
+    entries = []
+    for name, count in (("00000-00000", 20000), ("00000-00001", 50)):
+        prefix = write_documents(str(folder / name), 0,
+                                 lambda rng: np.append(progressions()(rng), 5000)
+                                 if next(rare) else progressions()(rng), count=count)
+        entries.append({"name": name, "documents": count,
+                        "tokens": os.path.getsize(f"{prefix}.bin") // 2,
+                        "max_token_id": max_token_id(prefix)})
+    (folder / MANIFEST).write_text(json.dumps(set_record({"format": 1}, entries)))
+    check_training_data(DataConfig(prefixes=[str(folder)]), 8192)  # below: accepted
+    with pytest.raises(UserError) as e:
+        check_training_data(DataConfig(prefixes=[str(folder)]), 4096)
+    assert str(e.value) == (
+        f"data.prefixes: token id 5000 in {folder / '00000-00000'}.bin is >= model.vocab_size "
+        f"4096 (the largest, from {folder}/{MANIFEST}): data made with another tokenizer?")
+    entries[0]["max_token_id"] = 299  # without the record, sampling misses it
+    (folder / MANIFEST).write_text(json.dumps(set_record({"format": 1}, entries)))
+    check_training_data(DataConfig(prefixes=[str(folder)]), 4096)

@@ -21,6 +21,7 @@ import torch
 
 from conftest import ROOT, subprocess_env
 from megatron_stem.data import indexed, prefix_sets
+from megatron_stem.data.checks import max_token_id
 from megatron_stem.data.indexed import PartWriter, merge, token_dtype
 from megatron_stem.data.prefix_sets import contiguous_groups
 from megatron_stem.data.preprocess import PreprocessConfig, preprocess
@@ -588,7 +589,13 @@ def test_prefix_set_is_the_single_prefix_cut_at_the_limits(shards, reference, sp
             + [f"{n}.{e}" for n in names for e in ("bin", "idx")])
         assert stats["prefixes"]["text"] == [
             {"prefix": str(folder / p["name"]), "documents": p["documents"],
-             "tokens": p["tokens"]} for p in manifest["prefixes"]]
+             "tokens": p["tokens"], "max_token_id": p["max_token_id"]}
+            for p in manifest["prefixes"]]
+        # Every id read once, by the task that wrote the prefix: the full check.
+        assert [p["max_token_id"] for p in manifest["prefixes"]] == \
+            [max_token_id(str(folder / p["name"])) for p in manifest["prefixes"]]
+        assert stats["max_token_id"] == {"text": max(p["max_token_id"]
+                                                     for p in manifest["prefixes"])}
         # Each prefix is whole parts: the parts' sizes, in order, cut where the next
         # part would pass a limit.
         parts = [json.loads(m.read_text()) for d in sorted(Path(f"{out}/out.parts").iterdir())

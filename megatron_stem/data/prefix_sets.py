@@ -36,7 +36,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from megatron_stem.data.checks import check_token_files
+from megatron_stem.data.checks import check_token_files, max_token_id
 from megatron_stem.data.durable import read_json, write_json
 from megatron_stem.storage import fsync_path
 from megatron_stem.data.indexed import bin_path, idx_path, index_size, merge, read_header
@@ -169,6 +169,8 @@ class GroupWriter:
         records = {}
         for key, folder in self.folders.items():
             self._remove_stale(folder, len(prefixes))
+            for entry in entries[key]:  # every id read once: the full check (data/checks.py)
+                entry["max_token_id"] = max_token_id(os.path.join(folder, entry["name"]))
             records[key] = set_record(header, entries[key], group=[self.group, self.num_groups],
                                       identity=self.identity, stats=stats)
             write_json(os.path.join(folder, group_file(self.group, self.num_groups)),
@@ -233,6 +235,7 @@ class Prefix:
     path: str  # without .bin/.idx
     documents: int
     tokens: int  # a manifest's count, else the .bin's size over its token size
+    max_token_id: Optional[int] = None  # a manifest's, read whole by preprocessing
 
 
 def is_prefix_set(entry: str) -> bool:
@@ -246,7 +249,8 @@ def read_manifest(folder: str, field: str) -> list[Prefix]:
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
         prefixes = [Prefix(os.path.join(folder, p["name"]), int(p["documents"]),
-                           int(p["tokens"])) for p in manifest["prefixes"]]
+                           int(p["tokens"]), p.get("max_token_id"))
+                    for p in manifest["prefixes"]]
     except FileNotFoundError:
         raise UserError(f"{field}: {folder} has no {MANIFEST}: preprocessing of this prefix "
                         "set has not finished (run its --merge-only step)") from None
@@ -273,15 +277,21 @@ def _single(prefix: str, field: str) -> Prefix:
 def resolve(entry: str, field: str, vocab_size: Optional[int] = None) -> list[Prefix]:
     """The prefixes of one data entry, each checked to exist, to fit megatron's ids (the
     count its `.idx` header gives) and to be whole (`checks.check_token_files`: sizes, and
-    with `vocab_size` a sample of its ids)."""
+    with `vocab_size` a sample of its ids, and for a prefix set every id: the largest, which
+    its manifest records)."""
     if not is_prefix_set(entry):
         prefixes = [_single(entry, field)]
     else:
         listed = read_manifest(entry, field)
         prefixes = [Prefix(p.path, _single(p.path, f"{field} ({entry}/{MANIFEST})").documents,
-                           p.tokens) for p in listed]
+                           p.tokens, p.max_token_id) for p in listed]
     for prefix in prefixes:
         check_documents(prefix, field)
+        if vocab_size is not None and (prefix.max_token_id or -1) >= vocab_size:
+            raise UserError(f"{field}: token id {prefix.max_token_id} in "
+                            f"{bin_path(prefix.path)} is >= model.vocab_size {vocab_size} "
+                            f"(the largest, from {entry}/{MANIFEST}): data made with another "
+                            "tokenizer?")
         try:
             check_token_files(prefix.path, vocab_size)
         except UserError as e:

@@ -572,9 +572,11 @@ class _Job:
         return stats
 
     def _prefix_paths(self, records: dict) -> dict:
-        """key -> [{prefix (a path), documents, tokens}] of a prefix set's records."""
+        """key -> [{prefix (a path), documents, tokens, max_token_id}] of a prefix set's
+        records."""
         return {k: [{"prefix": os.path.join(self.cfg.output(k), p["name"]),
-                     "documents": p["documents"], "tokens": p["tokens"]}
+                     "documents": p["documents"], "tokens": p["tokens"],
+                     "max_token_id": p.get("max_token_id")}
                     for p in records[k]["prefixes"]] for k in self.keys}
 
     def _run_dict(self, seconds: float) -> dict:
@@ -699,17 +701,23 @@ class _Job:
                 yield Skip(*error).describe(shard.path)
 
 
-    def _max_ids(self, prefixes: dict) -> Optional[dict]:
-        """--single-prefix: every id of each output read once (the full check the trainer
-        only samples: data/checks.py). A prefix set's are not read again here: the step
-        that lists them must not read the corpus (the trainer samples each prefix)."""
-        if not self.cfg.single_prefix:
-            return None
-        return {k: self._checked_max_id(p["prefix"]) for k, ps in prefixes.items() for p in ps}
+    def _max_ids(self, prefixes: dict) -> dict:
+        """Each key's largest id, every id of every output read once (the full check the
+        trainer only samples: data/checks.py): --single-prefix's output here; a prefix set's
+        by the task that wrote each prefix (`GroupWriter`, in its manifest entry), so that the
+        step listing them reads no corpus (None for a key whose group files, of an earlier
+        version, record none)."""
+        if self.cfg.single_prefix:
+            return {k: self._checked_max_id(p["prefix"], max_token_id(p["prefix"]))
+                    for k, ps in prefixes.items() for p in ps}
+        tops = {k: [self._checked_max_id(p["prefix"], p["max_token_id"]) for p in ps
+                    if p["max_token_id"] is not None] for k, ps in prefixes.items()}
+        return {k: max(tops[k], default=-1) if len(tops[k]) == len(ps) else None
+                for k, ps in prefixes.items()}
 
-    def _checked_max_id(self, prefix: str) -> int:
-        """Every id of `prefix` below the tokenizer's vocabulary, or the output is refused."""
-        top = max_token_id(prefix)
+    def _checked_max_id(self, prefix: str, top: int) -> int:
+        """`top`, the largest id of `prefix`, below the tokenizer's vocabulary, or the output
+        is refused."""
         if top >= self.tokenizer.vocab_size:
             raise UserError(f"token id {top} in {bin_path(prefix)} is >= the tokenizer's "
                             f"vocab_size {self.tokenizer.vocab_size}")
