@@ -92,11 +92,11 @@ def _ask_cpuinfo_once() -> None:
 
 
 # A JIT build holds its folder's `lock` while it builds, and every other load of the op
-# waits for it. torch 2.15 holds it as an OS advisory lock (`flock`, through the filelock
+# waits for it. torch 2.14+ holds it as an OS advisory lock (`flock`, through the filelock
 # package) and leaves the file in place after the build: the file's existence means nothing,
-# and the kernel releases the lock of a process that dies. torch 2.13-2.14 used the file's
+# and the kernel releases the lock of a process that dies. torch 2.13 used the file's
 # existence (`FileBaton`: created exclusively, removed at the end), which a killed build left
-# behind for every later load to wait on forever. Our loads give those versions torch 2.15's
+# behind for every later load to wait on forever. Our loads give it torch 2.14's
 # lock (`_os_lock_baton`), so with any supported torch a lock is judged by whether a running
 # process holds it: never by the file's existence or age.
 #
@@ -137,7 +137,7 @@ def held_by_another(lock: Path) -> bool:
 
 
 def _os_lock_baton():
-    """torch 2.13-2.14's `FileBaton` as torch 2.15's build lock: the acquire waits for the
+    """torch 2.13's `FileBaton` as torch 2.14+'s build lock: the acquire waits for the
     OS lock and always gets it (then the build, or ninja's up-to-date check, runs under it);
     the release leaves the file."""
     from torch.utils.file_baton import FileBaton
@@ -161,7 +161,7 @@ def _os_lock_baton():
 
 
 def _use_os_lock_batons() -> None:
-    """Where torch's JIT build still takes a `FileBaton` (torch < 2.15)."""
+    """Where torch's JIT build still takes a `FileBaton` (torch 2.13)."""
     from torch.utils import cpp_extension
 
     baton = getattr(cpp_extension, "FileBaton", None)

@@ -126,8 +126,8 @@ def test_op_builds_are_announced_once_and_cached_per_environment(tmp_path, monke
     assert capsys.readouterr().out == "" and builder.loads == 3
 
 
-# A stand-in for torch 2.15's JIT build: takes the folder's lock as it does (the filelock
-# package's FileLock, an OS lock: torch's own is a subclass; for torch 2.13-2.14 `ops.load`
+# A stand-in for torch 2.14+'s JIT build: takes the folder's lock as it does (the filelock
+# package's FileLock, an OS lock: torch's own is a subclass; for torch 2.13 `ops.load`
 # installs the same lock, tested below), says it has it, and keeps it until it is told to go
 # (or killed).
 HOLD_THE_BUILD_LOCK = """
@@ -160,7 +160,7 @@ def _load_or_hang(builder, seconds=20.0):
 
 def test_a_build_lock_is_judged_by_whether_a_running_process_holds_it(tmp_path, monkeypatch,
                                                                        capsys):
-    """torch 2.15 leaves its lock file after a build and torch 2.13's was left by a killed
+    """torch 2.14+ leaves its lock file after a build and torch 2.13's was left by a killed
     build: neither makes a load wait. A lock a running build holds does, and says so after a
     moment; a build killed while a load waits releases it, and the load goes on."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
@@ -220,9 +220,9 @@ def test_a_filesystem_without_file_locks_is_one_line(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not hasattr(cpp_extension, "FileBaton"),
-                    reason="torch >= 2.15 takes an OS lock itself")
+                    reason="torch 2.14+ takes an OS lock itself")
 def test_torch_2_13_builds_take_the_os_lock(tmp_path):
-    """Under torch 2.13-2.14 a JIT build takes the folder's lock through `FileBaton`: the one
+    """Under torch 2.13 a JIT build takes the folder's lock through `FileBaton`: the one
     `ops.load` installs waits for the OS lock, so a second build waits for the first, not for
     a file."""
     lock = tmp_path / "lock"
