@@ -14,27 +14,50 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 POLL_S = 1.0
 _watched: set[int] = set()  # the parents already watched, once per process
 
 
-def exit_with_parent(who: str | None = None) -> None:
+def exit_with_parent(who: str | None = None, launcher: str | None = None) -> None:
     """End this process (exit 1) within `POLL_S` of its parent's end, saying so in one
-    line on stderr when `who` names it (e.g. "rank 1"). Idempotent."""
+    line on stderr when `who` names it (e.g. "rank 1"). Idempotent.
+
+    `launcher`, a word of the parent's command line: a process whose parent is already PID
+    1, and PID 1 is not that launcher, lost its parent before it could watch it (a rank
+    whose agent was killed in the rank's first moments, on a loaded node): it ends now. A
+    parent that is PID 1 (a container whose first process is the launcher), or one that
+    cannot be told apart, is left unwatched: its end ends the container."""
     parent = os.getppid()
-    if parent in _watched or parent == 1:  # 1: already orphaned, or a container's init
+    if parent in _watched:
+        return
+    if parent == 1:
+        if launcher is not None and not _init_is(launcher):
+            _gone(who, None)
         return
     _watched.add(parent)
 
     def watch():
         while os.getppid() == parent:
             time.sleep(POLL_S)
-        if who is not None:
-            print(f"{who}: its launcher (pid {parent}) is gone; exiting", file=sys.stderr,
-                  flush=True)
-        os._exit(1)
+        _gone(who, parent)
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _init_is(launcher: str) -> bool:
+    """Whether PID 1's command line has `launcher` in it (True when it cannot be read)."""
+    try:
+        return launcher in Path("/proc/1/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return True
+
+
+def _gone(who: str | None, parent: int | None) -> None:
+    if who is not None:
+        which = f" (pid {parent})" if parent is not None else ""
+        print(f"{who}: its launcher{which} is gone; exiting", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def exit_soon(code: int, grace_s: float = 60.0) -> None:

@@ -3,6 +3,7 @@ tells the launcher so (slurm/torchrun.py and slurm/launch.sh read the marker).""
 
 import os
 import signal
+import re
 import subprocess
 import sys
 import time
@@ -112,8 +113,25 @@ def test_ranks_end_when_their_torchrun_agent_is_killed(toy_data, hf_tokenizer, t
         rank.kill()
     assert alive == []
     said = agent.communicate(timeout=30)[1]  # the ranks' stderr, once they closed it too
-    for rank in (0, 1):
-        assert f"rank {rank}: its launcher (pid {agent.pid}) is gone; exiting" in said
+    for rank in (0, 1):  # the pid is not known to a rank orphaned before it could watch
+        assert re.search(rf"rank {rank}: its launcher( \(pid {agent.pid}\))? is gone; "
+                         "exiting", said), said
+
+
+@pytest.mark.integration  # a process of its own
+def test_a_rank_orphaned_before_it_could_watch_its_launcher_ends_too(tmp_path):
+    """An agent killed in its rank's first moments (a loaded node): the rank's parent is
+    already PID 1 when it starts watching, and PID 1 is no launcher: it ends at once."""
+    import psutil
+
+    code = ("import time; time.sleep(1.0); from megatron_stem import lifetime; "
+            "lifetime.exit_with_parent('rank 3', launcher='torch'); time.sleep(60)")
+    err = tmp_path / "stderr"
+    started = subprocess.run(  # the shell, its parent, exits at once
+        ["sh", "-c", f'"{sys.executable}" -c "{code}" 2>"{err}" & echo $!'],
+        capture_output=True, text=True, timeout=30, env=subprocess_env(), cwd=ROOT)
+    psutil.Process(int(started.stdout)).wait(timeout=20)  # not its 60 s: it ended itself
+    assert err.read_text() == "rank 3: its launcher is gone; exiting\n"
 
 
 @pytest.mark.integration  # a process of its own

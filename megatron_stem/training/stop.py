@@ -46,7 +46,7 @@ def end_with_launcher() -> None:
     """In a rank torchrun started: end it when the launcher dies (`lifetime`). A run
     started from a shell is left alone: under nohup it outlives its shell, as asked."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        lifetime.exit_with_parent(f"rank {os.environ.get('RANK', '?')}")
+        lifetime.exit_with_parent(f"rank {os.environ.get('RANK', '?')}", launcher="torch")
 
 
 class StopSignal:
