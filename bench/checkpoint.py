@@ -6,7 +6,7 @@
 Measures one process writing and reading a megatron dist checkpoint (torch_dist, the
 training's save strategy, fsync included; the page cache is dropped for the files before
 the load, so it reads from storage), and how long a save keeps the training thread:
-synchronous against `train.async_save` (background_save.py: blocked only while the state
+synchronous against `train.async_save` (checkpoint/background.py: blocked only while the state
 is copied to host memory). Then predicts the 1B save (recipes/stem_1b.yaml,
 bf16 weights + fp32 master and two Adam moments for every parameter) per rank at data
 parallel `--dp`, for three layouts of who writes what:
@@ -21,7 +21,7 @@ parallel `--dp`, for three layouts of who writes what:
                                (tables included) and dense states balanced as above.
 
 Then compares checksum algorithms on one core over 256 MB in memory (crc32c only where
-the `crc32c` package is installed), and times ours (megatron_stem/checksums.py) over one
+the `crc32c` package is installed), and times ours (megatron_stem/checkpoint/checksums.py) over one
 rank's share of a 1B
 checkpoint (`--verify-gb`, 4.1 GB at DP32: a synthetic file): as a save computes them,
 right after writing (the file still in the page cache), and as a resume or
@@ -43,11 +43,11 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 
-from megatron_stem.background_save import BackgroundSave
+from megatron_stem.checkpoint.background import BackgroundSave
 from megatron_stem.checkpoint import parallel_save_strategy
-from megatron_stem.checksums import digest
+from megatron_stem.checkpoint.checksums import digest
 from megatron_stem.config import ParallelConfig, load_recipe
-from megatron_stem.parallel import destroy_distributed, init_distributed
+from megatron_stem.runtime.parallel import destroy_distributed, init_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 WARNING_S = 300

@@ -5,7 +5,7 @@ per element, predicted for every stage recipe at the size its data recipe names.
 
 Each prefix has a real `.idx` (documents of ~1,114 tokens on average, OLMo-Mix's) and a
 sparse `.bin` (no disk). For each size and two sequence lengths it measures, each in a
-fresh process: the cold build of the cache (training/datasets.py, as
+fresh process: the cold build of the cache (data/sample_cache.py, as
 tools/build_data_cache.py does it: CPU seconds, peak memory, bytes written) and a rank's
 warm start with the cache present (time, anonymous memory). It fits build seconds, peak
 bytes and cache bytes as `a x documents + b x samples`, the start as `c + d x prefixes`
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from megatron_stem.config import DataConfig, DataSource, ModelConfig, Recipe, TrainConfig  # noqa: E402
 from megatron_stem.data.indexed import write_index  # noqa: E402
 from megatron_stem.data.prefix_sets import MANIFEST  # noqa: E402
-from megatron_stem.training import datasets  # noqa: E402
+from megatron_stem.data import sample_cache  # noqa: E402
 
 MEAN_TOKENS = 1114  # OLMo-Mix-1124: ~3.9T tokens in ~3.5B documents
 SHARE = 0.26  # the 1T stage reads ~26% of an epoch of OLMo-Mix
@@ -94,11 +94,11 @@ def _anon_bytes() -> int:
 
 
 def _build(recipe: Recipe) -> dict:
-    from megatron_stem.training.data import Samples, plans
+    from megatron_stem.training.batches import Samples, plans
 
     run_plans = list(plans(recipe, TOKENIZER, Samples.of(recipe, 32)).values())
     start, cpu = time.perf_counter(), time.process_time()
-    datasets.build(run_plans)
+    sample_cache.build(run_plans)
     return {"seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu}
 
 
@@ -106,7 +106,7 @@ def _start(recipe: Recipe) -> dict:
     """A rank's start with the cache present: plans, datasets, its first batch."""
     import torch
 
-    from megatron_stem.training.data import Samples, StepBatches, load_datasets, plans
+    from megatron_stem.training.batches import Samples, StepBatches, load_datasets, plans
 
     anon = _anon_bytes()
     start = time.perf_counter()
@@ -135,7 +135,7 @@ def measure_build(sizes: list[int], work: str) -> dict:
             result, peak = _in_child(_build, make_recipe([prefix], cache, seq, int(SHARE * epoch)))
             samples = epoch + int(SHARE * epoch)  # its epoch's sample index, and the blend
             points.append({"documents": n, "samples": samples, "seq": seq, **result,
-                           "peak": peak, "cache": datasets.cache_bytes(cache)})
+                           "peak": peak, "cache": sample_cache.cache_bytes(cache)})
             print(f"  {n:>12,} documents, seq {seq:>5}: build {result['cpu']:7.2f} s CPU, "
                   f"peak {peak / 1e9:6.2f} GB, cache {points[-1]['cache'] / 1e9:6.2f} GB",
                   flush=True)
@@ -185,7 +185,7 @@ def measure_batches(work: str, gigabytes: float, steps: int = 8) -> dict:
     mapping's read-ahead as the kernel sets it and with MADV_RANDOM."""
     import torch
 
-    from megatron_stem.training.data import Samples, StepBatches, load_datasets, plans
+    from megatron_stem.training.batches import Samples, StepBatches, load_datasets, plans
 
     prefix = os.path.join(work, "real")
     rng = np.random.default_rng(1)
@@ -199,9 +199,9 @@ def measure_batches(work: str, gigabytes: float, steps: int = 8) -> dict:
                          int(lengths.sum(dtype=np.int64)) // 2048 // 2)
     _in_child(_build, recipe)
     out = {}
-    advise = datasets._read_randomly
+    advise = sample_cache._read_randomly
     for label, randomly in (("read-ahead", False), ("MADV_RANDOM", True)):
-        datasets._read_randomly = advise if randomly else (lambda low: None)
+        sample_cache._read_randomly = advise if randomly else (lambda low: None)
         train, _ = load_datasets(plans(recipe, TOKENIZER, Samples.of(recipe, 32)), True)
         batches = StepBatches(train, 4, 512, 0, 32, torch.device("cpu"))
         for cold in (False, True):
@@ -213,7 +213,7 @@ def measure_batches(work: str, gigabytes: float, steps: int = 8) -> dict:
                 batches.host(step)
                 times.append(time.perf_counter() - start)
             out[f"{label}, {'cold' if cold else 'warm'}"] = statistics.median(times)
-    datasets._read_randomly = advise
+    sample_cache._read_randomly = advise
     return out
 
 

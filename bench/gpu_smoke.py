@@ -17,7 +17,7 @@ Each variant trains the same STEM model on the same random token batches in this
   losses bit for bit;
 * host placement (a pinned staging buffer, the side stream, the hot-row cache) against
   device placement: close;
-* the row gradients' sum of a staged step (training/row_grads.py: queued on a side stream
+* the row gradients' sum of a staged step (tables/row_grads.py: queued on a side stream
   as the last backward ends, its rows from the host's ids) against the unstaged sum: the
   same bits, and no host sync inside it (CUDA's sync debug mode set to error).
 
@@ -51,7 +51,8 @@ VARIANTS = {  # name: recipe overrides of the bf16 STEM baseline below
 
 
 def recipe(model: dict, overrides: dict, kernel: str = "deepspeed"):
-    from megatron_stem.config import Recipe, _deep_merge, from_dict
+    from megatron_stem.config import Recipe, from_dict
+    from megatron_stem.config.recipe_files import _deep_merge
 
     base = {"model": {**model, "stem_layers": "1/2"},
             "optimizer": {"lr": 3e-3, "warmup_steps": 0, "clip_grad": 1.0,
@@ -62,7 +63,7 @@ def recipe(model: dict, overrides: dict, kernel: str = "deepspeed"):
 
 
 def batches(model: dict, steps: int, per_step: int, micro: int) -> list[list[dict]]:
-    from megatron_stem.parallel import device
+    from megatron_stem.runtime.parallel import device
 
     g = torch.Generator().manual_seed(0)
     out = []
@@ -81,7 +82,7 @@ def train(model: dict, overrides: dict, data, deterministic: bool,
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from megatron_stem.model import build_model
-    from megatron_stem.train import train_step
+    from megatron_stem.training.loop import train_step
     from megatron_stem.training.engine import build_engine
 
     r = recipe(model, overrides, kernel)
@@ -113,9 +114,9 @@ def train(model: dict, overrides: dict, data, deterministic: bool,
 def staged_row_grads(model: dict) -> tuple[bool, str]:
     """Four bf16 backwards of two tables, their sum staged on the side stream against the
     same backwards unstaged."""
-    from megatron_stem.parallel import device
-    from megatron_stem.training.row_grads import StepRows, row_grads_of, take_same_rows
-    from megatron_stem.training.tables.streams import side_streams
+    from megatron_stem.runtime.parallel import device
+    from megatron_stem.tables.row_grads import StepRows, row_grads_of, take_same_rows
+    from megatron_stem.tables.streams import side_streams
 
     dev, g = device(), torch.Generator().manual_seed(1)
     vocab, width = model["vocab_size"], model["ffn_hidden_size"]
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
                     help="the tables' CPU Adam (torch: the ops were not built)")
     args = ap.parse_args(argv)
     from megatron_stem.config import ParallelConfig
-    from megatron_stem.parallel import destroy_distributed, init_distributed
+    from megatron_stem.runtime.parallel import destroy_distributed, init_distributed
 
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_smoke: no GPU (use --dry-run on a CPU)", file=sys.stderr)

@@ -36,10 +36,10 @@ from megatron_stem.config import (ModelConfig, OptimizerConfig, ParallelConfig, 
                                   TableOptimizerConfig, TableStorageConfig, TrainConfig)
 from megatron_stem.model import build_model
 from megatron_stem.model.row_cache import RowCache
-from megatron_stem.parallel import destroy_distributed, init_distributed
-from megatron_stem.train import train_step
+from megatron_stem.runtime.parallel import destroy_distributed, init_distributed
+from megatron_stem.training.loop import train_step
 from megatron_stem.training.engine import build_engine
-from megatron_stem.training.host_tables import HostTableStore, gather_rows
+from megatron_stem.tables.host_tables import HostTableStore, gather_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "data_corpus" / "gcide.jsonl.gz"

@@ -45,7 +45,7 @@ def measure(seq: int, vocab: int, chunk: int) -> dict:
     """Peak bytes above the step's start, and seconds, of one step (in this process)."""
     from megatron_stem.config import ModelConfig, ParallelConfig
     from megatron_stem.model import build_model
-    from megatron_stem.parallel import init_distributed
+    from megatron_stem.runtime.parallel import init_distributed
 
     torch.set_num_threads(1)
     parallel = ParallelConfig(loss_chunk_tokens=chunk)

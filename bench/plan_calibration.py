@@ -80,7 +80,7 @@ def _recipe(variant: str, dp: int, microbatches: int, preset: str, kernel: str =
 def _microbatches(ids: np.ndarray, steps: int, per_step: int, micro: int, seq: int,
                   rank: int, seed=0):
     """Each rank's micro-batches of random text windows, step by step, on its device."""
-    from megatron_stem.parallel import device
+    from megatron_stem.runtime.parallel import device
 
     rng = np.random.default_rng(seed + 1000 * rank)
     out = []
@@ -167,8 +167,8 @@ def timed_step(update, mbs, next_mbs=None) -> dict:
     is waited for in the table step, in both clocks: its parts are measured whole (CPU time
     counts its work wherever it runs), and it does not run into the next step's timing
     (what the overlap hides is the planner's model, not a part measured here)."""
-    from megatron_stem.train import _token_mean_loss
-    from megatron_stem.training.row_grads import RowGradSum
+    from megatron_stem.training.loop import _token_mean_loss
+    from megatron_stem.tables.row_grads import RowGradSum
 
     engine, tables = update.engine, update.tables
     shards = getattr(tables.partition, "shards", None)
@@ -221,7 +221,7 @@ def boundary_segments(update, steps: list) -> list[float]:
     both ends are CUDA events on that stream (no sync, which would also wait for the row
     gradients' sum on its side stream), on a CPU the host's clock."""
     from megatron_stem.model.table import StemTable
-    from megatron_stem.train import train_step
+    from megatron_stem.training.loop import train_step
 
     engine = update.engine
     first = next(m for m in engine.module.modules() if isinstance(m, StemTable))
@@ -271,7 +271,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from megatron_stem.model import build_model
-    from megatron_stem.parallel import destroy_distributed, init_distributed
+    from megatron_stem.runtime.parallel import destroy_distributed, init_distributed
     from megatron_stem.training.engine import build_engine
 
     ids = np.load(args.ids)

@@ -101,7 +101,7 @@ def fast_path(corpus: str, prefix: str, kind: str, model: str) -> None:
     import numpy as np
 
     from megatron_stem.data.indexed import PartWriter, token_dtype
-    from megatron_stem.tokenizer import load_tokenizer
+    from megatron_stem.data.tokenizer import load_tokenizer
 
     tok = (gigatoken.Tokenizer.from_sentencepiece(model) if kind == "sentencepiece"
            else gigatoken.Tokenizer(model))

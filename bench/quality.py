@@ -36,9 +36,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_stem.accounting import account
+from megatron_stem.model.accounting import account
 from megatron_stem.config import load_recipe
-from megatron_stem.errors import UserError, cli
+from megatron_stem.runtime.errors import UserError, cli
 
 ROOT = Path(__file__).resolve().parent.parent
 

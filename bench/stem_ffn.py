@@ -15,7 +15,7 @@ import torch
 
 from megatron_stem.config import ModelConfig, ParallelConfig
 from megatron_stem.model import build_model
-from megatron_stem.parallel import destroy_distributed, init_distributed
+from megatron_stem.runtime.parallel import destroy_distributed, init_distributed
 
 
 def time_ffn(mlp, x, ids, iters: int) -> float:

@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from megatron_stem.training.tables.layout import TableLayout
-from megatron_stem.training.tables.optimizer import TableOptimizer
+from megatron_stem.config.table_layout import TableLayout
+from megatron_stem.tables.optimizer import TableOptimizer
 
 
 def step_time(update: str, vocab: int, rows: int, width: int, kernel: str, iters: int) -> float:

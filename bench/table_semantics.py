@@ -14,7 +14,7 @@ import tempfile
 import time
 
 from megatron_stem.config import load_recipe
-from megatron_stem.train import run
+from megatron_stem.training.loop import run
 
 
 def main():

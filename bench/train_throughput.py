@@ -12,11 +12,11 @@ import time
 
 import torch
 
-from megatron_stem.accounting import account
+from megatron_stem.model.accounting import account
 from megatron_stem.config import ModelConfig, ParallelConfig, Recipe, TrainConfig
 from megatron_stem.model import build_model
-from megatron_stem.parallel import destroy_distributed, device, init_distributed
-from megatron_stem.train import train_step
+from megatron_stem.runtime.parallel import destroy_distributed, device, init_distributed
+from megatron_stem.training.loop import train_step
 from megatron_stem.training.engine import build_engine
 
 

@@ -22,17 +22,17 @@ from training_runs import progressions, write_documents
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "tests" / "workers"
 # The tables' path refuses host memory handed to a collective, as NCCL would on a GPU node
-# (training/tables/comm.py): on in this process and in every process it starts.
+# (tables/comm.py): on in this process and in every process it starts.
 os.environ.setdefault("STEM_CHECK_HOST_TENSORS", "1")
 
 
 def pytest_configure(config):
-    """The warning filters every process of the package has (quiet.py, installed by its
+    """The warning filters every process of the package has (runtime/warning_filters.py, installed by its
     import) in every test as well: pytest restores the filters after collecting and after
     each test, which would drop those installed by an import during collection."""
-    from megatron_stem import quiet
+    from megatron_stem.runtime import warning_filters
 
-    quiet.install()
+    warning_filters.install()
 
 
 def free_port() -> int:
@@ -121,7 +121,7 @@ def merge_rank_dumps(folder: Path) -> dict:
 def world1():
     """megatron parallel state for a single in-process rank (TP=PP=DP=1)."""
     from megatron_stem.config import ParallelConfig
-    from megatron_stem.parallel import destroy_distributed, init_distributed
+    from megatron_stem.runtime.parallel import destroy_distributed, init_distributed
 
     init_distributed(ParallelConfig(), seed=1234)
     yield

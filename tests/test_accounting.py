@@ -1,4 +1,4 @@
-from megatron_stem.accounting import account, roi, training_flops_per_token
+from megatron_stem.model.accounting import account, roi, training_flops_per_token
 from megatron_stem.config import ModelConfig, ParallelConfig, load_recipe
 from megatron_stem.model import build_model
 from workers.common import tiny_model

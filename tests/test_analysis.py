@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megatron_stem.accounting import account
+from megatron_stem.model.accounting import account
 from megatron_stem.analysis.capacity import default_lengths, distinct_parameter_curve
 from megatron_stem.analysis.report import analyze
 from megatron_stem.analysis.spread import Z95, spread
@@ -55,7 +55,7 @@ def test_real_text_keeps_adding_parameters_until_it_repeats(sp_model):
     """GCIDE with a 1,000-piece tokenizer: every doubling of the context brings new ids;
     the same 1,024 tokens read four times bring none after the first pass."""
     from conftest import CORPUS
-    from megatron_stem.tokenizer import load_tokenizer
+    from megatron_stem.data.tokenizer import load_tokenizer
 
     ids = read_token_ids([str(CORPUS)], load_tokenizer("sentencepiece", sp_model), 4096)
     assert len(ids) == 4096

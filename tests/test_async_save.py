@@ -1,4 +1,4 @@
-"""Checkpoints written in the background (`train.async_save`, background_save.py): the
+"""Checkpoints written in the background (`train.async_save`, checkpoint/background.py): the
 same files as a synchronous save, a kill while a save is being written loses nothing (the
 run resumes from the checkpoint before it, bit-exactly), and a stop signal waits for the
 save in flight before the requeue exit."""

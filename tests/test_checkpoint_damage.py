@@ -15,10 +15,10 @@ import pytest
 
 from megatron_stem import checkpoint
 from megatron_stem.config import ParallelConfig, Recipe
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 from megatron_stem.model import build_model
-from megatron_stem.training.checkpointing import resume_point
-from megatron_stem.training.state import save_train_state
+from megatron_stem.checkpoint.finding import resume_point
+from megatron_stem.checkpoint.train_state import save_train_state
 from conftest import ROOT, subprocess_env, tool
 from workers.common import tiny_model
 
@@ -169,7 +169,7 @@ def test_latest_and_complete_are_written_durably(world1, tmp_path, monkeypatch):
 def test_a_damaged_train_state_is_one_line(world1, tmp_path):
     """A marker from before checksums (sizes only) lets same-size damage through to the
     train state's reader, which says so in one line."""
-    from megatron_stem.training.state import load_train_state
+    from megatron_stem.checkpoint.train_state import load_train_state
 
     recipe = Recipe(model=tiny_model())
     _save(tmp_path, 1, recipe)
@@ -206,7 +206,7 @@ def test_a_damaged_train_state_is_no_traceback_before_the_run_starts(saved):
     which refuses it by its checksum and falls back."""
     from dataclasses import replace
 
-    from megatron_stem.training.checkpointing import finished_step
+    from megatron_stem.checkpoint.finding import finished_step
 
     save_dir, recipe = saved
     recipe = replace(recipe, train=replace(recipe.train, save_dir=str(save_dir), steps=2))

@@ -1,5 +1,5 @@
 """DeepSpeed's CPU Adam kernel gives an element the same bits whatever happened before
-the step and whatever else the call updates (training/tables/adam.py, `AdamKernel`).
+the step and whatever else the call updates (tables/adam.py, `AdamKernel`).
 
 The op keeps beta1^t and beta2^t as running float32 products and falls back to `pow`
 (other bits) when a step is not the previous one plus one: a kernel created at resume, or
@@ -11,7 +11,7 @@ parallel layout) drifted too.
 
 import torch
 
-from megatron_stem.training.tables.adam import AdamKernel
+from megatron_stem.tables.adam import AdamKernel
 
 STEPS = 12
 

@@ -8,9 +8,9 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megatron_stem import checkpoint
 from megatron_stem.config import ParallelConfig, Recipe
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 from megatron_stem.model import build_model
-from megatron_stem.training.checkpointing import prune
+from megatron_stem.checkpoint.layout import prune
 from workers.common import tiny_model
 
 
@@ -73,8 +73,8 @@ def _in_layout(dist_folder, out, common_state_in_shards: bool):
     0.16.1-0.18 (common state in common.pt) or of 0.19+ (inside the shards)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from megatron_stem import mcore_versions
-    from megatron_stem.hf.dist_io import CheckpointReader, write_checkpoint
+    from megatron_stem.runtime import mcore_versions
+    from megatron_stem.checkpoint.streaming import CheckpointReader, write_checkpoint
 
     reader = CheckpointReader(dist_folder)
     tensors = {k: (reader.shape(k), reader.dtype(k), lambda k=k: reader.read(k))
@@ -113,7 +113,7 @@ def test_checkpoints_of_either_megatron_layout_load_or_are_refused_in_one_line(w
     common.pt. The HF import writes either, the common state as megatron's own save has it.
     0.19 reads both; 0.16.1-0.18 refuse the newer one in one line (megatron's own load fails
     deep inside on the missing file). Whichever version is installed, both are checked."""
-    from megatron_stem import mcore_versions
+    from megatron_stem.runtime import mcore_versions
 
     recipe = Recipe(model=tiny_model())
     model = build_model(recipe.model, ParallelConfig(), seed=1)

@@ -1,7 +1,7 @@
 import pytest
 
 from megatron_stem.config import ModelConfig, Recipe, from_dict, load_recipe
-from megatron_stem.errors import ConfigError
+from megatron_stem.runtime.errors import ConfigError
 
 from conftest import ROOT
 

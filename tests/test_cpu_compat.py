@@ -4,7 +4,7 @@ import pytest
 import torch
 from megatron.core.tensor_parallel import random as mpu_random
 
-from megatron_stem import cpu_compat
+from megatron_stem.runtime import cpu_compat
 from megatron_stem.config import ModelConfig, ParallelConfig
 from megatron_stem.model import build_model
 from megatron_stem.model.attention import SDPAttention

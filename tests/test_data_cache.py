@@ -1,4 +1,4 @@
-"""The training data at scale (training/datasets.py, data/prefix_sets.py): the same samples
+"""The training data at scale (data/sample_cache.py, data/prefix_sets.py): the same samples
 as megatron-core's own builder, prefix sets, over-large prefixes refused, a shared cache
 built once and loaded with no per-document memory, batches read ahead."""
 
@@ -16,9 +16,9 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron_stem.config import DataConfig, DataSource, ModelConfig, Recipe, TrainConfig
 from megatron_stem.data.indexed import PartWriter
 from megatron_stem.data.prefix_sets import MANIFEST, MAX_DOCUMENTS, resolve_blend
-from megatron_stem.errors import UserError
-from megatron_stem.training import datasets
-from megatron_stem.training.data import (Prefetcher, Samples, StepBatches, load_datasets,
+from megatron_stem.runtime.errors import UserError
+from megatron_stem.data import sample_cache
+from megatron_stem.training.batches import (Prefetcher, Samples, StepBatches, load_datasets,
                                          open_datasets, plans)
 
 EOD = 1
@@ -64,13 +64,13 @@ def samples(dataset, count: int) -> list[list[int]]:
 
 
 def megatron_datasets(r: Recipe, sizes: list, tmp_path, **blend):
-    from megatron_stem.training.datasets import dataset_config
+    from megatron_stem.data.sample_cache import dataset_config
 
     config = dataset_config(r.train.seed, r.model.seq_length, TOKENIZER,
                             str(tmp_path / "megatron-cache"), r.data, **blend)
-    with datasets._single_process_group():  # its BlendedDataset asks for the rank
+    with sample_cache._single_process_group():  # its BlendedDataset asks for the rank
         return BlendedMegatronDatasetBuilder(
-            datasets.GPTDataset, sizes, lambda: True, config).build()
+            sample_cache.GPTDataset, sizes, lambda: True, config).build()
 
 
 @pytest.mark.parametrize("weights", [None, [0.3, 0.7]], ids=["by-size", "weighted"])
@@ -160,7 +160,7 @@ def test_the_cache_is_built_once_and_reused(tmp_path):
     run_plans = plans(r, TOKENIZER, Samples(40, 8))
     assert not any(p.ready() for p in run_plans.values())
     lines = []
-    datasets.build(list(run_plans.values()), progress=lines.append)
+    sample_cache.build(list(run_plans.values()), progress=lines.append)
     assert lines[0] == "2 prefix(es) to index, 1 worker(s)"
     assert all(p.ready() for p in run_plans.values())
     # the default cache sits beside the data: shared by the runs that read it
@@ -169,7 +169,7 @@ def test_the_cache_is_built_once_and_reused(tmp_path):
     assert any(name.endswith("-ready") for name in before)
     again = plans(r, TOKENIZER, Samples(40, 8))  # a second run of the same data
     assert all(p.ready() for p in again.values())
-    datasets.prepare(list(again.values()), rank=0, barrier=lambda: None, build_command="x")
+    sample_cache.prepare(list(again.values()), rank=0, barrier=lambda: None, build_command="x")
     assert cache_files(tmp_path) == before  # nothing rebuilt, nothing rewritten
 
 
@@ -177,7 +177,7 @@ def test_a_killed_build_is_redone_not_read(tmp_path):
     write_prefix(tmp_path / "p", 200, seed=1)
     r = recipe(tmp_path, prefixes=[str(tmp_path / "p")])
     (plan,) = plans(r, TOKENIZER, Samples(40, 8)).values()
-    datasets.build([plan])
+    sample_cache.build([plan])
     expected = samples(plan.datasets(deferred=True)[0], 40)
     for path in (tmp_path / "cache").glob("*-train-*"):
         if path.name.endswith("-ready"):
@@ -185,7 +185,7 @@ def test_a_killed_build_is_redone_not_read(tmp_path):
         elif path.name.endswith("shuffle_index.npy"):
             path.write_bytes(path.read_bytes()[:100])  # half-written
     assert not plan.ready()
-    datasets.build([plan])
+    sample_cache.build([plan])
     assert samples(plan.datasets(deferred=True)[0], 40) == expected
 
 
@@ -193,13 +193,13 @@ def test_a_large_missing_cache_is_refused_on_every_rank(tmp_path, monkeypatch):
     write_prefix(tmp_path / "p", 200, seed=1)
     run_plans = list(plans(recipe(tmp_path, prefixes=[str(tmp_path / "p")]), TOKENIZER,
                            Samples(40, 8)).values())
-    monkeypatch.setattr(datasets, "BUILD_AT_START_LIMIT_S", 1e-9)
+    monkeypatch.setattr(sample_cache, "BUILD_AT_START_LIMIT_S", 1e-9)
     waited = []
     for rank in (0, 1):
         with pytest.raises(UserError, match=r"data.cache_dir: the sample indices of this run's "
                            r"data \(200 documents in 1 prefixes\) are not in .*: build them "
                            r"first with python tools/build_data_cache.py"):
-            datasets.prepare(run_plans, rank, lambda rank=rank: waited.append(rank),
+            sample_cache.prepare(run_plans, rank, lambda rank=rank: waited.append(rank),
                              "python tools/build_data_cache.py --recipe r.yaml")
     assert not waited and not (tmp_path / "cache").exists()
 
@@ -209,7 +209,7 @@ def test_loading_allocates_nothing_per_document(tmp_path):
     write_prefix(tmp_path / "p", documents, seed=2)
     r = recipe(tmp_path, sources=[DataSource(str(tmp_path / "p"), 1.0)])
     run_plans = plans(r, TOKENIZER, Samples(400, 8))
-    datasets.build(list(run_plans.values()))
+    sample_cache.build(list(run_plans.values()))
     tracemalloc.start()
     train, _ = load_datasets(plans(r, TOKENIZER, Samples(400, 8)), True)
     train[5]

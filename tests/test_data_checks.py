@@ -14,8 +14,8 @@ import pytest
 from conftest import ROOT, subprocess_env
 from megatron_stem.config import DataConfig
 from megatron_stem.data.checks import max_token_id, size_text
-from megatron_stem.errors import UserError
-from megatron_stem.training.data import check_training_data
+from megatron_stem.runtime.errors import UserError
+from megatron_stem.training.batches import check_training_data
 from training_runs import progressions, write_documents
 
 

@@ -29,7 +29,7 @@ import pytest
 from conftest import ROOT
 from conftest import tool_main as script_main
 from megatron_stem.config import load_recipe
-from megatron_stem.errors import ConfigError
+from megatron_stem.runtime.errors import ConfigError
 
 DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
         "bench/README.md"]

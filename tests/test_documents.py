@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from conftest import merge_rank_dumps, torchrun
-from megatron_stem import cpu_compat
+from megatron_stem.runtime import cpu_compat
 from megatron_stem.config import DataConfig, ParallelConfig, Recipe, TrainConfig
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 from megatron_stem.model import build_model, documents
-from megatron_stem.training.data import HOST_TOKENS, Samples, StepBatches, open_datasets
+from megatron_stem.tables.row_grads import HOST_TOKENS
+from megatron_stem.training.batches import Samples, StepBatches, open_datasets
 from workers.common import (document_inputs, eod_token, full_named, microbatches,
                             tiny_model)
 from workers.schedule import forward_backward

@@ -21,7 +21,7 @@ from megatron_stem.editing.remap import (TokenRemap, bake_writes, build_stem_ids
 from megatron_stem.editing.resolve import resolve
 from megatron_stem.editing.spec import Inject, Remap, load_edits, parse_edits
 from conftest import tool
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 from workers import facts
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -466,7 +466,7 @@ def test_cli_user_errors_are_one_line(facts_models, tmp_path, capsys):
 def test_a_bf16_checkpoint_is_edited_in_fp32_and_saved_as_bf16(world1, tmp_path):
     from megatron_stem import checkpoint
     from megatron_stem.config import ParallelConfig, Recipe
-    from megatron_stem.hf.dist_io import CheckpointReader
+    from megatron_stem.checkpoint.streaming import CheckpointReader
     from megatron_stem.model import build_model
     from workers.common import tiny_model
 

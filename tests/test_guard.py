@@ -5,8 +5,8 @@ import math
 import pytest
 
 from megatron_stem.config import GuardConfig, Recipe, from_dict
-from megatron_stem.errors import ConfigError
-from megatron_stem.training import checkpointing
+from megatron_stem.runtime.errors import ConfigError
+from megatron_stem.checkpoint import layout
 from megatron_stem.training.guard import Diverged, Guard
 from megatron_stem.training.update import GradNorms, Outcome
 from workers.common import TINY
@@ -85,9 +85,9 @@ def test_prune_leaves_the_kept_checkpoint(tmp_path):
         folder = tmp_path / checkpoint.iter_name(step)
         folder.mkdir()
         (folder / checkpoint.COMPLETE).write_text("{}")
-    good = checkpointing.last_before(tmp_path, 3)
-    (good / checkpointing.KEPT).write_text("kept")
-    checkpointing.prune(tmp_path, keep_last=1)
+    good = layout.last_before(tmp_path, 3)
+    (good / layout.KEPT).write_text("kept")
+    layout.prune(tmp_path, keep_last=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.iter_name(2),
                                                           checkpoint.iter_name(5)]
     checkpoint.point_latest(tmp_path, good)

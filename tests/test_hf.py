@@ -19,10 +19,10 @@ import torch
 from conftest import (LM_EVAL_DOCS, ROOT, hf_tensors, run_lm_eval_cli, subprocess_env, tool,
                       torchrun, write_local_lm_eval_tasks)
 from megatron_stem import checkpoint
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 from megatron_stem.hf.export import export
-from megatron_stem.hf.import_ import import_hf
-from megatron_stem.tokenizer import load_tokenizer
+from megatron_stem.hf.import_model import import_hf
+from megatron_stem.data.tokenizer import load_tokenizer
 from workers.common import TINY, hf_shape
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download
@@ -177,7 +177,7 @@ def test_import_of_a_model_re_saved_by_transformers(megatron, exported, tmp_path
 
 def test_import_writes_the_same_dist_checkpoint_keys_as_megatron(megatron, hf_sources):
     """Guards the hand-built dist checkpoint against megatron format drift."""
-    from megatron_stem.hf.dist_io import CheckpointReader
+    from megatron_stem.checkpoint.streaming import CheckpointReader
     from torch.distributed.checkpoint import FileSystemReader
 
     def keys(ckpt):

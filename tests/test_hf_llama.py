@@ -16,7 +16,7 @@ import torch
 from conftest import ROOT, hf_tensors, tool, torchrun
 from megatron_stem import checkpoint
 from megatron_stem.hf.export import export
-from megatron_stem.hf.import_ import import_hf
+from megatron_stem.hf.import_model import import_hf
 from workers.common import TINY, hf_shape, tiny_model
 from workers.common import hf_tokens as tokens  # what workers/hf_layouts.py runs models on
 

@@ -7,7 +7,7 @@ import torch
 from conftest import ROOT
 
 from megatron_stem.config import ModelConfig, RopeScalingConfig
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 from megatron_stem.hf import names
 
 SHAPES = {

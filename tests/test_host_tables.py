@@ -14,13 +14,13 @@ import torch.nn.functional as F
 
 from conftest import torchrun
 from megatron_stem.config import ParallelConfig, Recipe, TableStorageConfig, from_dict
-from megatron_stem.errors import ConfigError
+from megatron_stem.runtime.errors import ConfigError
 from megatron_stem.model.row_cache import RowCache
-from megatron_stem.training import row_gather
-from megatron_stem.training.host_tables import HostTableStore, gather_rows
-from megatron_stem.training.row_grads import row_grads_of, take_same_rows
-from megatron_stem.training.tables.layout import TableLayout
-from megatron_stem.training.tables.optimizer import TableOptimizer
+from megatron_stem.tables import row_gather
+from megatron_stem.tables.host_tables import HostTableStore, gather_rows
+from megatron_stem.tables.row_grads import row_grads_of, take_same_rows
+from megatron_stem.config.table_layout import TableLayout
+from megatron_stem.tables.optimizer import TableOptimizer
 from workers.common import TINY, HostTable, tiny_model
 
 CPU = torch.device("cpu")

@@ -5,7 +5,7 @@ first use of one of its attributes."""
 import subprocess
 import sys
 
-from megatron_stem import lazy_imports  # before megatron-core: its import installs the hook
+from megatron_stem.runtime import lazy_imports  # before megatron-core: its import installs the hook
 
 
 def test_the_decorator_runs_once_at_the_first_call():

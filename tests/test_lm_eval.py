@@ -9,11 +9,11 @@ from lm_eval.api.instance import Instance
 
 from conftest import write_local_lm_eval_tasks
 from megatron_stem.config import ParallelConfig, Recipe, from_dict
-from megatron_stem.errors import ConfigError
+from megatron_stem.runtime.errors import ConfigError
 from megatron_stem.evaluation.in_loop import DownstreamEval
 from megatron_stem.evaluation.lm_eval_adapter import MegatronLM
 from megatron_stem.model import build_model
-from megatron_stem.tokenizer import load_tokenizer
+from megatron_stem.data.tokenizer import load_tokenizer
 from workers.common import TINY, tiny_model
 
 SEQ = 32

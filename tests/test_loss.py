@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import merge_rank_dumps, torchrun
-from megatron_stem import cpu_compat
+from megatron_stem.runtime import cpu_compat
 from megatron_stem.config import ParallelConfig
 from megatron_stem.model import build_model
 from megatron_stem.model.loss import chunked_lm_loss

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import ROOT, tool_main
 from megatron_stem.data import mds
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 
 # Written by MosaicML Streaming's MDSWriter, with the documents its own reader decodes
 # (tests/data/make_mds_fixture.py): ProLong-like books in two shards under a merged

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from conftest import tensorboard_steps
-from megatron_stem.accounting import mfu, training_flops_per_token
+from megatron_stem.model.accounting import mfu, training_flops_per_token
 from megatron_stem.config import Recipe, TrainConfig
 from megatron_stem.training.update import GradNorms
 from megatron_stem.training.metrics import Metrics
@@ -144,7 +144,7 @@ def test_wandb_mistakes_are_one_line_naming_the_field(world1, tmp_path, monkeypa
     import importlib.util
 
     from megatron_stem.config import MetricsConfig
-    from megatron_stem.errors import ConfigError
+    from megatron_stem.runtime.errors import ConfigError
     from megatron_stem.training import wandb_run
 
     recipe = Recipe(model=tiny_model(), train=TrainConfig(save_dir=str(tmp_path)),

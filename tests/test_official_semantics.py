@@ -10,14 +10,14 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad,
                              safe_get_full_optimizer_state)
 
 from megatron_stem.config import OptimizerConfig, Recipe, from_dict, load_recipe
-from megatron_stem.errors import ConfigError
+from megatron_stem.runtime.errors import ConfigError
 from megatron_stem.model import build_model
 from megatron_stem.model.init import TRUNCATION
-from megatron_stem.train import train_step
+from megatron_stem.training.loop import train_step
 from megatron_stem.training.engine import build_engine, split_parameters
 from megatron_stem.training.lr import lr_at
-from megatron_stem.training.state import _link_optimizer_states
-from megatron_stem.training.tables.shards import interleaved_order
+from megatron_stem.checkpoint.optimizer_io import _link_optimizer_states
+from megatron_stem.tables.shards import interleaved_order
 from conftest import ROOT
 from test_update import _backward
 from workers.common import TINY, microbatches, tiny_model

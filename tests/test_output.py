@@ -16,10 +16,11 @@ import pytest
 from torch.utils import cpp_extension
 
 from conftest import ROOT, subprocess_env
-from megatron_stem import ops, quiet
+from megatron_stem.runtime import jit_ops
+from megatron_stem.runtime import warning_filters
 from megatron_stem.data.indexed import PartWriter
-from megatron_stem.errors import UserError
-from megatron_stem.tokenizer import WHERE_TO_GET
+from megatron_stem.runtime.errors import UserError
+from megatron_stem.data.tokenizer import WHERE_TO_GET
 
 CLIS = [[str(p)] for p in sorted((ROOT / "tools").glob("*.py"))] + \
     [["-m", "megatron_stem.train"]]
@@ -66,7 +67,7 @@ def test_errors_are_one_line_with_nothing_else(argv, error, tmp_path):
 def test_filters_drop_only_the_messages_they_name(caplog):
     with warnings.catch_warnings(record=True) as caught:
         warnings.resetwarnings()
-        quiet.install()
+        warning_filters.install()
         warnings.warn_explicit("Transformer Engine and Apex are not installed. Falling back",
                                UserWarning, "x.py", 1, module="megatron.core.optimizer")
         warnings.warn_explicit("Transformer Engine and Apex are not installed. Falling back",
@@ -83,8 +84,8 @@ def test_filters_drop_only_the_messages_they_name(caplog):
         logger.warning("something DeepSpeed wants the user to know")
     assert [r.getMessage() for r in caplog.records] == [
         "something DeepSpeed wants the user to know"]
-    quiet.install()  # again: one filter, not two
-    assert sum(isinstance(f, quiet._DropMessages) for f in logger.filters) == 1
+    warning_filters.install()  # again: one filter, not two
+    assert sum(isinstance(f, warning_filters._DropMessages) for f in logger.filters) == 1
 
 
 class FakeBuilder:
@@ -104,30 +105,30 @@ def test_op_builds_are_announced_once_and_cached_per_environment(tmp_path, monke
                                                                    capsys):
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     monkeypatch.setattr(Path, "home", lambda: tmp_path)
-    folder = ops.extensions_dir()
+    folder = jit_ops.extensions_dir()
     assert folder.parent == tmp_path / ".cache" / "torch_extensions"
     monkeypatch.setattr(sys, "prefix", "/another/venv")  # another environment, same CPU
-    other = ops.extensions_dir()
+    other = jit_ops.extensions_dir()
     assert other != folder and other.parent == folder.parent
     monkeypatch.undo()
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))  # the user's choice
     monkeypatch.setenv("PATH", os.environ.get("PATH", ""))  # restored after `load`'s change
     builder = FakeBuilder()
-    ops.load(builder, "the fake op")
+    jit_ops.load(builder, "the fake op")
     assert capsys.readouterr().out == \
         f"building the fake op, once per environment, ~1-2 min (into {tmp_path / 'ext'})\n"
     (tmp_path / "ext" / "fake_op").mkdir(parents=True)
     (tmp_path / "ext" / "fake_op" / "fake_op.so").write_bytes(b"")
-    ops.load(builder, "the fake op")  # built: nothing to say
+    jit_ops.load(builder, "the fake op")  # built: nothing to say
     monkeypatch.setenv("LOCAL_RANK", "1")
     (tmp_path / "ext" / "fake_op" / "fake_op.so").unlink()
-    ops.load(builder, "the fake op")  # another rank of the node: the first one says it
+    jit_ops.load(builder, "the fake op")  # another rank of the node: the first one says it
     assert capsys.readouterr().out == "" and builder.loads == 3
 
 
 # A stand-in for torch 2.14+'s JIT build: takes the folder's lock as it does (the filelock
-# package's FileLock, an OS lock: torch's own is a subclass; for torch 2.13 `ops.load`
+# package's FileLock, an OS lock: torch's own is a subclass; for torch 2.13 `jit_ops.load`
 # installs the same lock, tested below), says it has it, and keeps it until it is told to go
 # (or killed).
 HOLD_THE_BUILD_LOCK = """
@@ -150,7 +151,7 @@ def _hold_build_lock(lock: Path) -> subprocess.Popen:
 
 
 def _load_or_hang(builder, seconds=20.0):
-    loading = threading.Thread(target=ops.load, args=(builder, "the fake op"), daemon=True)
+    loading = threading.Thread(target=jit_ops.load, args=(builder, "the fake op"), daemon=True)
     started = time.monotonic()
     loading.start()
     loading.join(seconds)
@@ -176,21 +177,21 @@ def test_a_build_lock_is_judged_by_whether_a_running_process_holds_it(tmp_path, 
     assert _load_or_hang(builder) < 1.0 and builder.loads == 2
     assert capsys.readouterr().out == ""
 
-    monkeypatch.setattr(ops, "QUIET_WAIT_S", 0.5)
+    monkeypatch.setattr(jit_ops, "QUIET_WAIT_S", 0.5)
     holder = _hold_build_lock(lock)  # a build running now, released within the quiet wait
     threading.Timer(0.2, holder.communicate, args=("done\n",)).start()
     _load_or_hang(builder)
     assert capsys.readouterr().out == ""
     holder = _hold_build_lock(lock)  # a build running now, killed while the load waits
     threading.Timer(1.0, holder.kill).start()
-    monkeypatch.setattr(ops, "QUIET_WAIT_S", 30.0)
+    monkeypatch.setattr(jit_ops, "QUIET_WAIT_S", 30.0)
     waited = _load_or_hang(builder)
     holder.wait()
     assert 0.9 < waited < 5.0 and builder.loads == 4
-    monkeypatch.setattr(ops, "QUIET_WAIT_S", 0.3)
+    monkeypatch.setattr(jit_ops, "QUIET_WAIT_S", 0.3)
     holder = _hold_build_lock(lock)
     try:
-        ops.load(builder, "the fake op")
+        jit_ops.load(builder, "the fake op")
     finally:
         holder.communicate("done\n")
     assert capsys.readouterr().out == (
@@ -216,24 +217,24 @@ def test_a_filesystem_without_file_locks_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=rf"^{lock}: the ops' build lock needs file locks, which "
                        r"its filesystem refuses \(No locks available\): set "
                        r"TORCH_EXTENSIONS_DIR to a local folder"):
-        ops.load(FakeBuilder(), "the fake op")
+        jit_ops.load(FakeBuilder(), "the fake op")
 
 
 @pytest.mark.skipif(not hasattr(cpp_extension, "FileBaton"),
                     reason="torch 2.14+ takes an OS lock itself")
 def test_torch_2_13_builds_take_the_os_lock(tmp_path):
     """Under torch 2.13 a JIT build takes the folder's lock through `FileBaton`: the one
-    `ops.load` installs waits for the OS lock, so a second build waits for the first, not for
+    `jit_ops.load` installs waits for the OS lock, so a second build waits for the first, not for
     a file."""
     lock = tmp_path / "lock"
     holder = _hold_build_lock(lock)
-    ops._use_os_lock_batons()
+    jit_ops._use_os_lock_batons()
     baton = cpp_extension.FileBaton(str(lock))
     threading.Timer(0.5, holder.communicate, args=("done\n",)).start()
     started = time.monotonic()
     assert baton.try_acquire() and time.monotonic() - started > 0.4
     baton.release()
-    assert lock.exists() and not ops.held_by_another(lock)
+    assert lock.exists() and not jit_ops.held_by_another(lock)
 
 
 def test_a_build_that_does_not_finish_in_time_is_killed_with_one_line(tmp_path, monkeypatch,
@@ -243,7 +244,7 @@ def test_a_build_that_does_not_finish_in_time_is_killed_with_one_line(tmp_path, 
     slow.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(slow))
     started = time.monotonic()
-    assert not ops.build_all_within(1.0)
+    assert not jit_ops.build_all_within(1.0)
     assert time.monotonic() - started < 10
     assert capsys.readouterr().out == ("the ops' build did not finish in 1 s: this run uses the "
                                        "torch kernel (optimizer.tables.kernel: torch)\n")
@@ -262,9 +263,9 @@ def test_op_builds_run_this_environments_ninja(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "executable", str(env_bin / "python"))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     monkeypatch.setenv("PATH", str(system_bin))  # run by path: the system's ninja first
-    ops.use_extensions_dir()
+    jit_ops.use_extensions_dir()
     assert shutil.which("ninja") == str(env_bin / "ninja")
-    ops.use_extensions_dir()  # once on PATH, not again
+    jit_ops.use_extensions_dir()  # once on PATH, not again
     assert os.environ["PATH"] == f"{env_bin}{os.pathsep}{system_bin}"
 
 
@@ -282,7 +283,7 @@ def test_deepspeed_builders_ask_the_cpu_once_per_process(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cpuinfo, "get_cpu_info", get_cpu_info)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    ops.load(FakeBuilder(), "the fake op")
+    jit_ops.load(FakeBuilder(), "the fake op")
     first, second = CPUAdamBuilder(), CPUAdamBuilder()
     answers = [first.cpu_arch(), first.simd_width(), second.cpu_arch(), second.simd_width()]
     assert len(asked) == 1

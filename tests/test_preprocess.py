@@ -26,8 +26,8 @@ from megatron_stem.data.indexed import PartWriter, merge, token_dtype
 from megatron_stem.data.prefix_sets import contiguous_groups
 from megatron_stem.data.preprocess import PreprocessConfig, preprocess
 from megatron_stem.data.worker import BadRecord
-from megatron_stem.errors import UserError
-from megatron_stem.tokenizer import load_tokenizer
+from megatron_stem.runtime.errors import UserError
+from megatron_stem.data.tokenizer import load_tokenizer
 
 
 # --- helpers -----------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def test_bos_documents_round_trip_through_preprocessing_and_document_masking(
     starts with BOS at position 0 right after the EOD that closed the one before, its
     attention starts there, and only the prediction made at an EOD leaves the loss."""
     from megatron_stem.config import DataConfig, Recipe, TrainConfig
-    from megatron_stem.training.data import Samples, StepBatches, open_datasets
+    from megatron_stem.training.batches import Samples, StepBatches, open_datasets
     from workers.common import document_inputs, tiny_model
 
     texts = corpus_texts[:200]

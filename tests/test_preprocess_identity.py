@@ -19,8 +19,8 @@ from megatron_stem.data.encoders import (GigatokenEncoder, ReferenceEncoder, fir
                                          load_encoder)
 from megatron_stem.data.preprocess import PreprocessConfig, preprocess
 from megatron_stem.data.readers import Skip, find_shards, iter_records, read_chunks
-from megatron_stem.errors import UserError
-from megatron_stem.tokenizer import load_tokenizer
+from megatron_stem.runtime.errors import UserError
+from megatron_stem.data.tokenizer import load_tokenizer
 
 
 def _plane_samples() -> str:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_stem.config import ProfileConfig, load_recipe
-from megatron_stem.errors import ConfigError
+from megatron_stem.runtime.errors import ConfigError
 from megatron_stem.training.profiling import PhaseTimer, ProfilerWindow, check_ranks
 
 from conftest import ROOT

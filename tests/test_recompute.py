@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import merge_rank_dumps, torchrun
-from megatron_stem import cpu_compat
+from megatron_stem.runtime import cpu_compat
 from megatron_stem.config import ParallelConfig
-from megatron_stem.errors import ConfigError
+from megatron_stem.runtime.errors import ConfigError
 from megatron_stem.model import build_model, spec, stem_mlp
 from megatron_stem.model.attention import SDPAttention
 from workers.common import full_named, loss_masked, microbatches, tiny_model

@@ -1,4 +1,4 @@
-"""A step's row gradients (training/row_grads.py): one order of additions for every placement."""
+"""A step's row gradients (tables/row_grads.py): one order of additions for every placement."""
 
 import contextlib
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_stem.training.host_tables import HostTableStore
-from megatron_stem.training.row_grads import StepRows, row_grads_of
+from megatron_stem.tables.host_tables import HostTableStore
+from megatron_stem.tables.row_grads import StepRows, row_grads_of
 from workers.common import HostTable
 
 VOCAB, WIDTH = 40, 16
@@ -84,7 +84,7 @@ def test_a_dense_table_gradient_is_refused():
 
 
 class _Streams:
-    """A side stream's protocol (training/tables/streams.py) that records what is asked of
+    """A side stream's protocol (tables/streams.py) that records what is asked of
     it, and in which backward state."""
 
     def __init__(self):

@@ -9,9 +9,9 @@ import torch
 from conftest import merge_rank_dumps, torchrun
 from megatron_stem import checkpoint
 from megatron_stem.config import ParallelConfig, Recipe, TrainConfig
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 from megatron_stem.model import build_model
-from megatron_stem.training.checkpointing import Checkpointer
+from megatron_stem.checkpoint.checkpointer import Checkpointer
 from workers.common import TINY, tiny_model
 
 FFN = TINY["ffn_hidden_size"]

@@ -8,7 +8,7 @@ import pytest
 from conftest import ROOT, tool_main
 from megatron_stem import checkpoint
 from megatron_stem.config import ModelConfig, Recipe, load_recipe
-from megatron_stem.errors import ConfigError, UserError
+from megatron_stem.runtime.errors import ConfigError, UserError
 from workers.common import tiny_model
 
 # The paper's budgets: tokens per stage, and the stages in order (each starts from the
@@ -78,7 +78,7 @@ def _stage_one(tmp_path, steps_done: list[int], steps: int = 10):
     import yaml
 
     from megatron_stem.config import TrainConfig, to_dict
-    from megatron_stem.training.state import save_train_state
+    from megatron_stem.checkpoint.train_state import save_train_state
 
     run = tmp_path / "stage1"
     stage = Recipe(model=tiny_model(), train=TrainConfig(steps=steps, save_dir=str(run)))
@@ -91,7 +91,7 @@ def _stage_one(tmp_path, steps_done: list[int], steps: int = 10):
 
 
 def test_a_stage_before_its_predecessor_finished_is_refused(tmp_path):
-    from megatron_stem.training.checkpointing import stage_start
+    from megatron_stem.checkpoint.finding import stage_start
 
     path, run = _stage_one(tmp_path, [4, 8])
     for named in (path, run):  # by its recipe or its run folder
@@ -125,7 +125,8 @@ def _missing_stage(tmp_path) -> str:
 
 def test_a_finished_stage_is_found_by_its_recipe_or_run_folder(tmp_path):
     from megatron_stem.config import TrainConfig
-    from megatron_stem.training.checkpointing import Checkpointer, stage_start
+    from megatron_stem.checkpoint.checkpointer import Checkpointer
+    from megatron_stem.checkpoint.finding import stage_start
 
     path, run = _stage_one(tmp_path, [5, 10])
     assert stage_start(str(path)) == stage_start(str(run)) == run / "iter_0000010"
@@ -205,7 +206,7 @@ def test_a_data_recipe_and_prefixes_together_are_refused(tmp_path):
 
 
 def test_a_missing_token_file_names_its_source_in_the_data_recipe():
-    from megatron_stem.training.data import check_training_data
+    from megatron_stem.training.batches import check_training_data
 
     with pytest.raises(UserError) as e:
         check_training_data(recipe("stem_1b_midtrain").data)
@@ -272,7 +273,7 @@ def test_a_model_loaded_from_another_rope_base_uses_its_own(world1, tmp_path):
 def test_init_optimizer_from_a_weights_only_checkpoint_is_a_clear_error(world1, tmp_path):
     from megatron_stem.config import ParallelConfig, TrainConfig
     from megatron_stem.model import build_model
-    from megatron_stem.training.checkpointing import Checkpointer
+    from megatron_stem.checkpoint.checkpointer import Checkpointer
 
     source = tmp_path / "imported"
     with checkpoint.Writer(source, 0, Recipe(model=tiny_model())) as folder:

@@ -124,8 +124,8 @@ def test_a_rank_orphaned_before_it_could_watch_its_launcher_ends_too(tmp_path):
     already PID 1 when it starts watching, and PID 1 is no launcher: it ends at once."""
     import psutil
 
-    code = ("import time; time.sleep(1.0); from megatron_stem import lifetime; "
-            "lifetime.exit_with_parent('rank 3', launcher='torch'); time.sleep(60)")
+    code = ("import time; time.sleep(1.0); from megatron_stem.runtime import process_lifetime; "
+            "process_lifetime.exit_with_parent('rank 3', launcher='torch'); time.sleep(60)")
     err = tmp_path / "stderr"
     started = subprocess.run(  # the shell, its parent, exits at once
         ["sh", "-c", f'"{sys.executable}" -c "{code}" 2>"{err}" & echo $!'],
@@ -136,9 +136,9 @@ def test_a_rank_orphaned_before_it_could_watch_its_launcher_ends_too(tmp_path):
 
 @pytest.mark.integration  # a process of its own
 def test_a_thread_left_running_does_not_keep_a_finished_process_alive():
-    code = ("import threading, time; from megatron_stem import lifetime; "
+    code = ("import threading, time; from megatron_stem.runtime import process_lifetime; "
             "threading.Thread(target=time.sleep, args=(600,)).start(); "
-            "print('done', flush=True); lifetime.exit_soon(3, grace_s=1)")
+            "print('done', flush=True); process_lifetime.exit_soon(3, grace_s=1)")
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, env=subprocess_env(), cwd=ROOT)

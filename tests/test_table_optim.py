@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_stem.training.tables import optimizer as table_optim
-from megatron_stem.training.tables.layout import TableLayout
-from megatron_stem.training.tables.optimizer import TableOptimizer
+from megatron_stem.tables import optimizer as table_optim
+from megatron_stem.config.table_layout import TableLayout
+from megatron_stem.tables.optimizer import TableOptimizer
 
 VOCAB, WIDTH, LR, WD, BETAS = 50, 8, 1e-2, 0.1, (0.9, 0.95)
 
@@ -130,26 +130,26 @@ def test_the_norm_counts_each_touched_row_once():
 def test_device_placement_that_cannot_fit_the_node_is_refused_before_allocating(monkeypatch):
     """Every rank's fp32 master and Adam moments of its tables, times the node's ranks,
     against the node's available memory: a one-line ConfigError, not the OOM killer."""
-    from megatron_stem.errors import ConfigError
-    from megatron_stem.parallel import local_world_size
-    from megatron_stem.training import engine
+    from megatron_stem.runtime.errors import ConfigError
+    from megatron_stem.runtime.parallel import local_world_size
+    from megatron_stem.tables import host_memory
 
     bf16 = [("t", torch.nn.Parameter(torch.zeros(1000, 64, dtype=torch.bfloat16)))]
     fp32 = [("t", torch.nn.Parameter(torch.zeros(1000, 64)))]
-    from megatron_stem.training.tables.partition import cpu_state_bytes
+    from megatron_stem.tables.partition import cpu_state_bytes
 
     assert cpu_state_bytes(bf16) == 1000 * 64 * 12  # master + 2 moments
     assert cpu_state_bytes(fp32) == 1000 * 64 * 8  # the table is its master
-    assert engine._available_host_bytes() > 0  # read from /proc/meminfo here
+    assert host_memory.available_host_bytes() > 0  # read from /proc/meminfo here
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    monkeypatch.setattr(engine, "_available_host_bytes", lambda: 8 * 1000 * 64 * 12 - 1)
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 8 * 1000 * 64 * 12 - 1)
     with pytest.raises(ConfigError, match=r"^tables\.placement: device keeps .* for 8 rank\(s\) "
                                           r"on this node, .* Use tables\.placement=host"):
-        engine.check_table_memory(bf16, "device")
-    engine.check_table_memory(fp32, "device")  # 8 bytes per element fit
-    engine.check_table_memory(bf16, "host")  # one shared copy: not this check's business
-    monkeypatch.setattr(engine, "_available_host_bytes", lambda: None)  # unknown: no verdict
-    engine.check_table_memory(bf16, "device")
+        host_memory.check_table_memory(bf16, "device")
+    host_memory.check_table_memory(fp32, "device")  # 8 bytes per element fit
+    host_memory.check_table_memory(bf16, "host")  # one shared copy: not this check's business
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: None)  # unknown: no verdict
+    host_memory.check_table_memory(bf16, "device")
     # srun without torchrun: tasks on this node from SLURM.
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setenv("SLURM_PROCID", "3")
@@ -161,7 +161,7 @@ def test_interleaved_shards_balance_the_frequent_rows():
     """Shards own an interleaved sample of the vocabulary: the most frequent ids of a BPE
     vocabulary (its lowest) split evenly over any number of ranks, and the order is a
     permutation that does not depend on that number (checkpoints reshard)."""
-    from megatron_stem.training.tables.shards import interleaved_order
+    from megatron_stem.tables.shards import interleaved_order
 
     for vocab in (32000, 128256):
         order = interleaved_order(vocab)

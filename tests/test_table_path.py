@@ -1,6 +1,6 @@
 """The tables' training path where a GPU node differs from a CPU run: which memory each
 collective is handed, the overlapped update's streams, device and exit, and the layouts
-the code accepts (training/tables/)."""
+the code accepts (tables/)."""
 
 import contextlib
 import json
@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from conftest import subprocess_env
-from megatron_stem.errors import ConfigError
-from megatron_stem.training.tables import comm as table_comm
-from megatron_stem.training.tables.comm import (Comm, Devices, HostStaging, host_tracking,
+from megatron_stem.runtime.errors import ConfigError
+from megatron_stem.tables import comm as table_comm
+from megatron_stem.tables.comm import (Comm, Devices, HostStaging, host_tracking,
                                                 is_host)
-from megatron_stem.training.tables.layout import TableLayout
-from megatron_stem.training.tables.overlap import Job, Overlap
+from megatron_stem.config.table_layout import TableLayout
+from megatron_stem.tables.overlap import Job, Overlap
 
 CPU = Devices(torch.device("cpu"))
 
@@ -167,8 +167,8 @@ def _tables_step(monkeypatch):
     (the streams, the optimizer's jobs as it made them)."""
     import torch.nn.functional as F
 
-    from megatron_stem.training.tables import streams as streams_module
-    from megatron_stem.training.tables.optimizer import TableOptimizer
+    from megatron_stem.tables import streams as streams_module
+    from megatron_stem.tables.optimizer import TableOptimizer
 
     monkeypatch.setattr(streams_module, "NoStreams", RecordingStreams)
     table = torch.nn.Parameter(torch.randn(40, 8, generator=torch.Generator().manual_seed(0)))
@@ -209,7 +209,7 @@ def test_every_tensor_the_jobs_read_is_handed_to_their_stream_first(monkeypatch)
 def test_the_worker_takes_the_device_the_main_thread_had(monkeypatch):
     """CUDA's current device is per thread (0 in a new one): the worker is given the main
     thread's, not `current_device()` asked inside it."""
-    from megatron_stem.training.tables import streams as streams_module
+    from megatron_stem.tables import streams as streams_module
 
     made, set_in = [], []
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: made.append(device) or "stream")
@@ -254,7 +254,7 @@ def test_the_first_micro_batch_waits_only_for_its_own_rows():
 def test_the_next_steps_rows_are_staged_by_their_first_micro_batch():
     """The rows any rank's next step reads, each tagged with the first micro-batch that
     reads it (0: the first, 1: any later), through one exchange with the owners."""
-    from megatron_stem.training.tables.shards import RowShards, TrafficCounters, earliest
+    from megatron_stem.tables.shards import RowShards, TrafficCounters, earliest
 
     rows, first = earliest(torch.tensor([5, 3, 5, 9, 3]), torch.tensor([1, 1, 0, 1, 1]), 2)
     assert rows.tolist() == [3, 5, 9] and first.tolist() == [1, 0, 1]
@@ -279,8 +279,8 @@ def test_a_stuck_job_is_named_and_the_rank_exits_non_zero(tmp_path):
     script = tmp_path / "stuck.py"
     script.write_text(
         "import threading, torch\n"
-        "from megatron_stem.training.tables.comm import Devices\n"
-        "from megatron_stem.training.tables.overlap import Job, Overlap\n"
+        "from megatron_stem.tables.comm import Devices\n"
+        "from megatron_stem.tables.overlap import Job, Overlap\n"
         "o = Overlap(None, Devices(torch.device('cpu')))\n"
         "o.launch([], [Job('stuck', lambda c: threading.Event().wait())])\n"
         "o.close(timeout=0.5)\n")
@@ -294,8 +294,8 @@ def test_a_stuck_job_is_named_and_the_rank_exits_non_zero(tmp_path):
 def test_table_states_in_another_row_order_are_refused(tmp_path):
     """The saved row order has a version; a checkpoint in another one is refused in one
     line (its Adam moments would land on other rows)."""
-    from megatron_stem.errors import UserError
-    from megatron_stem.training.tables.shards import ROW_ORDER, check_row_order
+    from megatron_stem.runtime.errors import UserError
+    from megatron_stem.tables.shards import ROW_ORDER, check_row_order
 
     check_row_order(ROW_ORDER, tmp_path)
     check_row_order(None, tmp_path)  # saved before the version was written: this order
@@ -318,7 +318,7 @@ def test_the_overlaps_group_is_made_on_the_main_thread_before_the_worker_uses_it
 def test_the_overlap_refuses_one_hardware_queue_on_gpus():
     """Two threads' communicators need the GPU to run their streams side by side: with
     CUDA_DEVICE_MAX_CONNECTIONS=1 ranks that interleave them differently can hang."""
-    from megatron_stem.training.tables.overlap import concurrency_problem
+    from megatron_stem.tables.overlap import concurrency_problem
 
     assert concurrency_problem({}, 2) is None
     assert concurrency_problem({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, 2) is None

@@ -1,4 +1,4 @@
-"""megatron_stem.tokenizer (local SentencePiece / Hugging Face files) and the tokenizer
+"""megatron_stem.data.tokenizer (local SentencePiece / Hugging Face files) and the tokenizer
 trainer (tools/train_tokenizer.py)."""
 
 import json
@@ -10,8 +10,8 @@ import pytest
 from conftest import CORPUS, ROOT, UNICODE_DOCS
 from megatron_stem.data.tokenizer_training import (SPECIAL_IDS, TokenizerTrainingConfig,
                                                    sample_documents)
-from megatron_stem.errors import UserError
-from megatron_stem.tokenizer import load_tokenizer
+from megatron_stem.runtime.errors import UserError
+from megatron_stem.data.tokenizer import load_tokenizer
 
 
 def test_sentencepiece_interface_and_round_trip(sp_model, corpus_texts):

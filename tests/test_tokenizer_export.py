@@ -17,7 +17,7 @@ import pytest
 
 from conftest import ROOT, subprocess_env
 from megatron_stem.config import ModelConfig
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 from megatron_stem.hf import sentencepiece_json, tokenizer_files
 from megatron_stem.hf.export import write_model_files
 

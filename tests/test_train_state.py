@@ -7,12 +7,12 @@ import pathlib
 import pytest
 import torch
 
-from megatron_stem.errors import UserError
-from megatron_stem.training.state import TRAIN_STATE, load_train_state, save_train_state
+from megatron_stem.runtime.errors import UserError
+from megatron_stem.checkpoint.train_state import TRAIN_STATE, load_train_state, save_train_state
 
 
 def test_a_train_state_written_by_earlier_versions_still_loads(tmp_path):
-    # What every earlier version wrote (training/checkpointing.py's call, state.py's torch.save).
+    # What every earlier version wrote (checkpoint/checkpointer.py's call, train_state.py's torch.save).
     rng = torch.get_rng_state()
     torch.save({"step": 12, "rng_cpu": rng, "consumed_samples": 96}, tmp_path / TRAIN_STATE)
     state = load_train_state(tmp_path)

@@ -114,9 +114,9 @@ def test_the_loss_in_chunks_and_selective_recompute_train_the_reference_curve(tr
 def test_resuming_a_weights_only_checkpoint_is_a_clear_error(world1, tmp_path):
     from megatron_stem import checkpoint
     from megatron_stem.config import ParallelConfig, Recipe, TrainConfig
-    from megatron_stem.errors import UserError
+    from megatron_stem.runtime.errors import UserError
     from megatron_stem.model import build_model
-    from megatron_stem.training.checkpointing import Checkpointer
+    from megatron_stem.checkpoint.checkpointer import Checkpointer
     from workers.common import tiny_model
 
     recipe = Recipe(model=tiny_model(), train=TrainConfig(save_dir=str(tmp_path)))
@@ -126,26 +126,26 @@ def test_resuming_a_weights_only_checkpoint_is_a_clear_error(world1, tmp_path):
         Checkpointer(recipe)
 
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(sp_model):
-    from megatron_stem import train as trainer
+    from megatron_stem.training import checks as trainer_checks
     from megatron_stem.config import Recipe, from_dict
-    from megatron_stem.errors import UserError
+    from megatron_stem.runtime.errors import UserError
 
     recipe = from_dict(Recipe, {"model": {**TINY, "vocab_size": 999},
                                 "data": {"tokenizer_type": "sentencepiece",
                                          "tokenizer_model": sp_model}})
     with pytest.raises(UserError, match=r"^data\.tokenizer_model: .*gcide\.model: the tokenizer "
                                         r"has 1000 tokens but the model's vocab_size is 999"):
-        trainer.load_tokenizer(recipe)
+        trainer_checks.load_tokenizer(recipe)
     recipe.model.vocab_size = 1000
-    assert trainer.load_tokenizer(recipe).vocab_size == 1000
+    assert trainer_checks.load_tokenizer(recipe).vocab_size == 1000
 
 @pytest.mark.parametrize("variable, value", [("SLURM_GPUS_ON_NODE", "8"),
                                              ("SLURM_JOB_GPUS", "0,1"),
                                              ("CUDA_VISIBLE_DEVICES", "0")])
 def test_gpus_given_but_unseen_by_torch_is_one_error_line(monkeypatch, variable, value):
     """A CPU-only torch wheel on a GPU node would train on gloo without a word."""
-    from megatron_stem import train as trainer
-    from megatron_stem.errors import UserError
+    from megatron_stem.training import checks as trainer_checks
+    from megatron_stem.runtime.errors import UserError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.version, "hip", None)
@@ -153,12 +153,12 @@ def test_gpus_given_but_unseen_by_torch_is_one_error_line(monkeypatch, variable,
     with pytest.raises(UserError, match=rf"^{variable}={value}: this job has GPUs but torch "
                                         r"\S+ is a CPU-only build and sees none; install "
                                         r"torch's CUDA build .*STEM_ALLOW_CPU=1"):
-        trainer.check_gpus_visible({variable: value})
+        trainer_checks.check_gpus_visible({variable: value})
     monkeypatch.setattr(torch.version, "cuda", "12.6")
     with pytest.raises(UserError, match=r"\(CUDA 12\.6\) sees none: the GPU driver is missing"):
-        trainer.check_gpus_visible({variable: value})
+        trainer_checks.check_gpus_visible({variable: value})
     # No GPUs given: a CPU run is what was asked for.
     for environ in ({}, {"SLURM_GPUS_ON_NODE": "0"}, {"CUDA_VISIBLE_DEVICES": ""},
                     {"CUDA_VISIBLE_DEVICES": "NoDevFiles"},
                     {variable: value, "STEM_ALLOW_CPU": "1"}):  # CPU on purpose
-        trainer.check_gpus_visible(environ)
+        trainer_checks.check_gpus_visible(environ)

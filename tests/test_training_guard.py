@@ -23,7 +23,7 @@ def test_a_nan_in_one_ranks_table_gradient_skips_the_step_on_every_rank(train, t
     assert_same_checkpoints(tmp_path / "iter_0000003", tmp_path / "iter_0000002")
     # The optimizers applied 5 of the 6 steps: a resume continues their bias correction
     # from 5, as the run itself would.
-    from megatron_stem.training.state import load_train_state
+    from megatron_stem.checkpoint.train_state import load_train_state
 
     assert load_train_state(tmp_path / "iter_0000006")["optimizer_steps"] == 5
 

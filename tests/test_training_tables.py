@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration  # the trainer runs under torchrun
 @pytest.mark.parametrize("kernel, update, partition", [
     ("torch", "lazy", "sharded"), ("deepspeed", "dense", "replicated")])
 def test_host_tables_match_device_tables_bit_for_bit(train, kernel, update, partition):
-    """Both placements sum a row's gradients the same way (training/row_grads.py), compute
+    """Both placements sum a row's gradients the same way (tables/row_grads.py), compute
     the same grad norm and run the same update: the same losses and checkpoints, bit for
     bit, at DP2 (two micro-batches per rank, one host copy shared by both ranks)."""
     options = [f"optimizer.tables.kernel={kernel}", f"optimizer.tables.update={update}",
@@ -51,7 +51,7 @@ def test_update_overlapped_with_the_next_step_gives_the_same_curve(train, update
 
 def test_each_communicator_issues_its_collectives_in_one_order_on_every_rank(train):
     """The overlapped update's all-gathers run on a second thread, over a communicator of
-    their own (training/tables/overlap.py), which the main thread uses only to create it:
+    their own (tables/overlap.py), which the main thread uses only to create it:
     on each communicator the same collectives, from the same thread, in the same order on
     every rank. (How the two threads
     interleave differs between ranks: the overlap refuses CUDA_DEVICE_MAX_CONNECTIONS=1.)"""

@@ -12,10 +12,11 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad,
 
 from megatron_stem.config import Recipe, from_dict
 from megatron_stem.model import build_model
-from megatron_stem.train import _mean_over_dp, _token_mean_loss, train_step
-from megatron_stem.training.data import HOST_TOKENS
-from megatron_stem.training.engine import build_engine, deepspeed_config
-from megatron_stem.training.state import _link_optimizer_states
+from megatron_stem.training.loop import _mean_over_dp, _token_mean_loss, train_step
+from megatron_stem.tables.row_grads import HOST_TOKENS
+from megatron_stem.training.deepspeed_setup import deepspeed_config
+from megatron_stem.training.engine import build_engine
+from megatron_stem.checkpoint.optimizer_io import _link_optimizer_states
 from workers.common import TINY, microbatches, tiny_model
 
 # The engine runs in this process: DeepSpeed at world size 1 (gloo), a tiny STEM model.
@@ -129,7 +130,7 @@ def test_bf16_accumulates_and_reduces_gradients_in_fp32():
     assert "data_types" not in deepspeed_config(_recipe("fp32"), dp_size=1)
     # The backbone's reduction overlaps the (last) backward, in buckets of Megatron-LM's
     # size, capped at the backbone's (DeepSpeed allocates two whole buckets).
-    from megatron_stem.accounting import account
+    from megatron_stem.model.accounting import account
 
     zero = config["zero_optimization"]
     assert zero["overlap_comm"] and zero["contiguous_gradients"]
@@ -158,7 +159,7 @@ def test_bf16_accumulates_and_reduces_gradients_in_fp32():
 
 
 def test_the_deterministic_switch_sets_what_gpu_runs_need(monkeypatch):
-    from megatron_stem.train import use_deterministic_kernels
+    from megatron_stem.training.checks import use_deterministic_kernels
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     assert from_dict(Recipe, {"model": TINY, "train": {"deterministic": True}}).train.deterministic

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from megatron_stem.editing.backend import add_model_arguments, open_backend, open_tokenizer
-from megatron_stem.errors import UserError, cli
+from megatron_stem.runtime.errors import UserError, cli
 
 
 def _summary(report: dict) -> str:

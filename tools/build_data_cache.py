@@ -18,7 +18,7 @@ import sys
 import time
 
 from megatron_stem.config import load_recipe
-from megatron_stem.errors import UserError, cli
+from megatron_stem.runtime.errors import UserError, cli
 
 
 def parse_args(argv=None):
@@ -42,9 +42,9 @@ def main(argv=None) -> int:
                         f"parallel.tensor_parallel ({tp})")
     if args.workers < 1:
         raise UserError(f"--workers: must be >= 1, got {args.workers}")
-    from megatron_stem.train import load_tokenizer
-    from megatron_stem.training import datasets
-    from megatron_stem.training.data import Samples, plans
+    from megatron_stem.training.checks import load_tokenizer
+    from megatron_stem.data import sample_cache
+    from megatron_stem.training.batches import Samples, plans
 
     start = time.perf_counter()
     run_plans = list(plans(recipe, load_tokenizer(recipe),
@@ -58,9 +58,9 @@ def main(argv=None) -> int:
     print(f"building into {cache}: {sum(len(p.prefixes) for p in missing)} prefixes, "
           f"~{sum(p.estimated_build_seconds() for p in missing) / 60:.1f} min on one core",
           flush=True)
-    datasets.build(missing, args.workers, progress=lambda line: print(line, flush=True))
+    sample_cache.build(missing, args.workers, progress=lambda line: print(line, flush=True))
     print(f"done in {time.perf_counter() - start:.1f} s: {cache} holds "
-          f"{datasets.cache_bytes(cache) / 1e9:.2f} GB")
+          f"{sample_cache.cache_bytes(cache) / 1e9:.2f} GB")
     return 0
 
 

@@ -4,7 +4,7 @@
 
 Compiles what training loads (DeepSpeed's CPU Adam, the tables' row Adam built from its
 source; on CPU also DeepSpeed's shared-memory collectives), a minute or two each, into the folder every run of this environment then
-loads them from (see megatron_stem/ops.py). Run it once after `pip install`; a second run
+loads them from (see megatron_stem/runtime/jit_ops.py). Run it once after `pip install`; a second run
 finds them built and returns at once.
 
     python tools/build_ops.py --within 90
@@ -17,8 +17,8 @@ status is 3 (bench/gpu/run_all.sh then passes that kernel on).
 import argparse
 import sys
 
-from megatron_stem import ops
-from megatron_stem.errors import cli
+from megatron_stem.runtime import jit_ops
+from megatron_stem.runtime.errors import cli
 
 
 @cli
@@ -27,10 +27,10 @@ def main(argv=None) -> int:
     parser.add_argument("--within", type=float, metavar="SECONDS",
                         help="kill a build that takes longer; exit 3 (use the torch kernel)")
     args = parser.parse_args(argv)
-    if args.within is not None and not ops.build_all_within(args.within):
+    if args.within is not None and not jit_ops.build_all_within(args.within):
         return 3
-    built = ops.build_all()
-    print(f"ready in {ops.extensions_dir()}: {', '.join(built)}")
+    built = jit_ops.build_all()
+    print(f"ready in {jit_ops.extensions_dir()}: {', '.join(built)}")
     return 0
 
 

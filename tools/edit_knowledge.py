@@ -26,7 +26,7 @@ from megatron_stem.editing.inject import apply_writes, inject_writes
 from megatron_stem.editing.remap import bake_writes, find_occurrences
 from megatron_stem.editing.resolve import resolve
 from megatron_stem.editing.spec import load_edits
-from megatron_stem.errors import cli
+from megatron_stem.runtime.errors import cli
 
 
 def _top(logprobs, k, tokenizer) -> str:

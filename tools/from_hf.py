@@ -12,8 +12,8 @@ See docs/export.md.
 import argparse
 import sys
 
-from megatron_stem.errors import cli
-from megatron_stem.hf.import_ import import_hf
+from megatron_stem.runtime.errors import cli
+from megatron_stem.hf.import_model import import_hf
 
 
 @cli

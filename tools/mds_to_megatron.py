@@ -16,8 +16,8 @@ import argparse
 import sys
 
 from megatron_stem.data import mds
-from megatron_stem.errors import UserError, cli
-from megatron_stem.tokenizer import load_setting
+from megatron_stem.runtime.errors import UserError, cli
+from megatron_stem.data.tokenizer import load_setting
 
 
 def parse_args(argv=None):

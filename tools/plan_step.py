@@ -20,7 +20,7 @@ import dataclasses
 import sys
 
 from megatron_stem.config import load_recipe
-from megatron_stem.errors import UserError, cli
+from megatron_stem.runtime.errors import UserError, cli
 from megatron_stem.planning import hardware, memory, report, rows, step
 
 
@@ -54,9 +54,9 @@ def _host_memory(args, hw) -> float:
     if args.host_memory_gb is not None:
         return args.host_memory_gb * 1e9
     if hw.device_is_host:
-        from megatron_stem.training.engine import _available_host_bytes  # noqa: PLC0415
+        from megatron_stem.tables.host_memory import available_host_bytes  # noqa: PLC0415
 
-        return float(_available_host_bytes() or 0)
+        return float(available_host_bytes() or 0)
     return 2048e9  # DGX H100/H200: 2 TB
 
 

@@ -18,7 +18,7 @@ import sys
 
 from megatron_stem.data.prefix_sets import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_TOKENS
 from megatron_stem.data.preprocess import PreprocessConfig, format_summary, preprocess
-from megatron_stem.errors import UserError, cli
+from megatron_stem.runtime.errors import UserError, cli
 
 
 def parse_args(argv=None) -> PreprocessConfig:

@@ -14,7 +14,7 @@ import argparse
 import sys
 import warnings
 
-from megatron_stem.errors import cli
+from megatron_stem.runtime.errors import cli
 from megatron_stem.hf.export import DEFAULT_SHARD_BYTES, DTYPES, ExportWarning, export
 
 

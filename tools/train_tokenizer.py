@@ -13,8 +13,8 @@ import os
 import sys
 
 from megatron_stem.data.tokenizer_training import TokenizerTrainingConfig, train_sentencepiece
-from megatron_stem.errors import cli
-from megatron_stem.tokenizer import load_tokenizer
+from megatron_stem.runtime.errors import cli
+from megatron_stem.data.tokenizer import load_tokenizer
 
 
 def parse_args(argv=None) -> TokenizerTrainingConfig:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from megatron_stem import checkpoint
-from megatron_stem.errors import UserError, cli
+from megatron_stem.runtime.errors import UserError, cli
 
 
 def _verify(ckpt: Path) -> str:

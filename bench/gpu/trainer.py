@@ -54,8 +54,8 @@ def parse(line: str) -> dict | None:
 
 def figures(lines: list[dict], recipe, steps: int) -> dict:
     """The stage's figures from the step lines it logged."""
-    from megatron_stem.accounting import mfu
-    from megatron_stem.training.tables.layout import TableLayout
+    from megatron_stem.model.accounting import mfu
+    from megatron_stem.config.table_layout import TableLayout
 
     if not lines:
         return {"steps": 0}

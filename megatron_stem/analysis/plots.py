@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 
 
 def _pyplot():

@@ -13,10 +13,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_stem.accounting import account, roi
 from megatron_stem.analysis.capacity import distinct_parameter_curve
 from megatron_stem.analysis.spread import abs_cosines, sample_ids, spread
 from megatron_stem.editing.forward import pad_batch
+from megatron_stem.model.accounting import account, roi
 
 HISTOGRAM_BINS = 50  # over |cos| in [0, 1]
 _WINDOWS_PER_FORWARD = 8

@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 
 from megatron_stem.data.indexed import bin_path, idx_path, read_header
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 
 SAMPLE_SPANS = 16  # where ids are sampled: this many spans spread over the .bin
 SPAN_TOKENS = 4096

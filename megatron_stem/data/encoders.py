@@ -27,8 +27,8 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from megatron_stem.data.columns import string_buffers
-from megatron_stem.errors import UserError
-from megatron_stem.tokenizer import HuggingFaceTokenizer, SentencePieceTokenizer, Tokenizer
+from megatron_stem.data.tokenizer import HuggingFaceTokenizer, SentencePieceTokenizer, Tokenizer
+from megatron_stem.runtime.errors import UserError
 
 BACKENDS = ("auto", "gigatoken", "reference")
 

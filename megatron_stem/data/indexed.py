@@ -23,9 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_stem.data.durable import read_json, write_json
-from megatron_stem.storage import fsync_path
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.durable import fsync_path, read_json, write_json
+from megatron_stem.runtime.errors import UserError
 
 _HEADER = b"MMIDIDX\x00\x00"
 _VERSION = 1

@@ -28,7 +28,7 @@ import numpy as np
 
 from megatron_stem.data.indexed import PartWriter, bin_path, idx_path, token_dtype
 from megatron_stem.data.progress import Progress
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 
 INDEX = "index.json"
 # MDS's codes for an ndarray's dtype and for its shape's dtype (when not in the encoding).

@@ -37,10 +37,9 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from megatron_stem.data.checks import check_token_files, max_token_id
-from megatron_stem.data.durable import read_json, write_json
-from megatron_stem.storage import fsync_path
 from megatron_stem.data.indexed import bin_path, idx_path, index_size, merge, read_header
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.durable import fsync_path, read_json, write_json
+from megatron_stem.runtime.errors import UserError
 
 FORMAT = 1
 MANIFEST = "manifest.json"

@@ -41,23 +41,53 @@ from typing import Literal, Optional, Sequence, TextIO
 
 import numpy as np
 
-from megatron_stem import storage
 from megatron_stem.data.checks import max_token_id
-from megatron_stem.data.encoders import (BACKENDS, GigatokenEncoder, ReferenceEncoder,
-                                         first_difference, load_encoder)
-from megatron_stem.data.durable import read_json, write_json
+from megatron_stem.data.encoders import (
+    BACKENDS,
+    GigatokenEncoder,
+    ReferenceEncoder,
+    first_difference,
+    load_encoder,
+)
 from megatron_stem.data.indexed import bin_path, idx_path, merge_resumable, sync, token_dtype
-from megatron_stem.data.prefix_sets import (DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_TOKENS, FORMAT,
-                                            MANIFEST, MAX_DOCUMENTS, GroupWriter, Part,
-                                            array_sizes, contiguous_groups, group_file, plan,
-                                            remove_unlisted, set_record)
+from megatron_stem.data.prefix_sets import (
+    DEFAULT_MAX_DOCUMENTS,
+    DEFAULT_MAX_TOKENS,
+    FORMAT,
+    MANIFEST,
+    MAX_DOCUMENTS,
+    GroupWriter,
+    Part,
+    array_sizes,
+    contiguous_groups,
+    group_file,
+    plan,
+    remove_unlisted,
+    set_record,
+)
 from megatron_stem.data.progress import Progress
-from megatron_stem.data.readers import (SKIP_REASONS, Chunk, Shard, Skip, find_shards, iter_records,
-                                        read_chunks)
-from megatron_stem.data.worker import (BadRecord, ChunkTokenizer, ThreadCounters, WorkerSettings,
-                                       fail_message, init_worker, work)
-from megatron_stem.errors import UserError
-from megatron_stem.tokenizer import load_tokenizer
+from megatron_stem.data.readers import (
+    SKIP_REASONS,
+    Chunk,
+    Shard,
+    Skip,
+    find_shards,
+    iter_records,
+    read_chunks,
+)
+from megatron_stem.data.tokenizer import load_tokenizer
+from megatron_stem.data.worker import (
+    BadRecord,
+    ChunkTokenizer,
+    ThreadCounters,
+    WorkerSettings,
+    fail_message,
+    init_worker,
+    work,
+)
+from megatron_stem.runtime import durable
+from megatron_stem.runtime.durable import read_json, write_json
+from megatron_stem.runtime.errors import UserError
 
 # Bump when the parts' layout or content changes: older parts are then redone.
 # 2: chunks of at most 8 MiB by default (were 32).
@@ -168,7 +198,7 @@ def preprocess(cfg: PreprocessConfig, log: Optional[TextIO] = sys.stderr) -> dic
         return _Job(cfg, log).run()
     except OSError as e:
         folder = os.path.dirname(os.path.abspath(cfg.output_prefix))
-        if not storage.full(folder, e):
+        if not durable.full(folder, e):
             raise
         raise UserError(f"no space left on device writing {e.filename or folder}; the finished "
                         f"parts in {cfg.parts_dir} are kept: free space and rerun the same "

@@ -26,7 +26,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence, Union
 
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 
 BAD_JSON, MISSING_KEY, NOT_TEXT, BAD_UTF8, EMPTY, READ_ERROR = (
     "bad_json", "missing_key", "not_text", "bad_utf8", "empty", "read_error")

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal, Optional, Sequence, TextIO
 
 from megatron_stem.data.readers import Skip, find_shards, iter_records, read_chunks
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 
 SPECIAL_IDS = {"unk": 0, "bos": 1, "eos": 2, "pad": 3}
 _MAX_LINE_BYTES = 16384  # SentencePiece drops longer "sentences" (lines) from training

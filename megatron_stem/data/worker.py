@@ -16,13 +16,13 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from megatron_stem import lifetime
 from megatron_stem.data.columns import chunk_columns
 from megatron_stem.data.encoders import load_encoder
 from megatron_stem.data.indexed import PartWriter, bin_path, idx_path
 from megatron_stem.data.readers import Chunk, Skip, iter_records
-from megatron_stem.errors import UserError
-from megatron_stem.tokenizer import load_tokenizer
+from megatron_stem.data.tokenizer import load_tokenizer
+from megatron_stem.runtime import process_lifetime
+from megatron_stem.runtime.errors import UserError
 
 _BATCH_DOCS, _BATCH_BYTES = 1024, 1 << 20  # documents per call into the tokenizer
 
@@ -192,7 +192,7 @@ def init_worker(settings: WorkerSettings, counters) -> None:
     # records them. If it dies without doing so (SIGKILL), the watchdog ends the worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    lifetime.exit_with_parent()
+    process_lifetime.exit_with_parent()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker, like sentencepiece
     tokenizer = load_tokenizer(settings.tokenizer_type, settings.tokenizer_model)
     encoder, _ = load_encoder(tokenizer, settings.backend)

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_stem.config import ModelConfig
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 
 
 class Backend(ABC):
@@ -116,7 +116,7 @@ def _join_world() -> bool:
     from megatron.core import parallel_state
 
     from megatron_stem.config import ParallelConfig
-    from megatron_stem.parallel import init_distributed
+    from megatron_stem.runtime.parallel import init_distributed
 
     global _owned_worlds
     joined = parallel_state.model_parallel_is_initialized()
@@ -134,7 +134,7 @@ def _join_world() -> bool:
 
 
 def _leave_world() -> None:
-    from megatron_stem.parallel import destroy_distributed
+    from megatron_stem.runtime.parallel import destroy_distributed
 
     global _owned_worlds
     _owned_worlds -= 1
@@ -147,9 +147,9 @@ class MegatronBackend(Backend):
 
     def __init__(self, path: str | Path):
         from megatron_stem import checkpoint
+        from megatron_stem.checkpoint.streaming import CheckpointReader
         from megatron_stem.config import ParallelConfig
         from megatron_stem.hf import names
-        from megatron_stem.hf.dist_io import CheckpointReader
         from megatron_stem.hf.export import read_model_config
         from megatron_stem.model import build_model
 
@@ -171,7 +171,7 @@ class MegatronBackend(Backend):
         self.net.eval()
 
     def logits(self, input_ids, stem_ids=None):
-        from megatron_stem.parallel import device
+        from megatron_stem.runtime.parallel import device
 
         # build_model placed the model on the accelerator where there is one; callers hold
         # CPU tensors.
@@ -229,7 +229,7 @@ class HFBackend(Backend):
 
     def __init__(self, path: str | Path):
         from megatron_stem.hf import names
-        from megatron_stem.hf.import_ import read_hf_config
+        from megatron_stem.hf.import_model import read_hf_config
 
         super().__init__()
         self.source = Path(path)
@@ -318,7 +318,7 @@ def open_backend(checkpoint: Optional[str] = None, hf: Optional[str] = None) -> 
 def open_tokenizer(backend: Backend, path: Optional[str] = None, kind: Optional[str] = None):
     """The tokenizer at `path` (kind by its name unless given), else the one the model
     names: a checkpoint's recipe (`data.tokenizer_*`), or the files an HF export ships."""
-    from megatron_stem.tokenizer import check_fits, load_tokenizer
+    from megatron_stem.data.tokenizer import check_fits, load_tokenizer
 
     if path is None:
         if backend.kind == "megatron":

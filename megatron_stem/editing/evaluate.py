@@ -40,7 +40,7 @@ from megatron_stem.editing.inject import written
 from megatron_stem.editing.remap import bake_writes, find_occurrences
 from megatron_stem.editing.resolve import encode, resolve_remap
 from megatron_stem.editing.spec import Remap, Strategy, Tokens, read_structured
-from megatron_stem.errors import ConfigError, UserError
+from megatron_stem.runtime.errors import ConfigError, UserError
 
 Mode = Literal["inference", "baked"]
 

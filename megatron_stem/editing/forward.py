@@ -19,7 +19,7 @@ import torch
 
 from megatron_stem.editing.inject import RowWrite, written
 from megatron_stem.editing.remap import StemIds, TokenRemap, build_stem_ids
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 
 BATCH = 64  # sequences per forward
 

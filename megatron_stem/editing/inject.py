@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 
 
 @dataclass(frozen=True)

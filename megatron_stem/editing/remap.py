@@ -36,7 +36,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from megatron_stem.editing.inject import RowWrite
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 
 Row = Union[int, tuple[int, ...], None]
 

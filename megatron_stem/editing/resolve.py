@@ -13,7 +13,7 @@ from megatron_stem.config import ModelConfig
 from megatron_stem.editing.inject import TokenInject
 from megatron_stem.editing.remap import TokenRemap, span_plan
 from megatron_stem.editing.spec import Edit, Inject, Remap, Tokens
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 
 
 def encode(tokenizer, tokens: Tokens, vocab_size: int, where: str) -> tuple[int, ...]:

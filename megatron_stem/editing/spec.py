@@ -27,7 +27,7 @@ from typing import Literal, Optional, Union
 import yaml
 
 from megatron_stem.config import from_dict
-from megatron_stem.errors import ConfigError, UserError
+from megatron_stem.runtime.errors import ConfigError, UserError
 
 # Text (encoded with the model's tokenizer, no special tokens added) or explicit token ids.
 Tokens = Union[str, list[int]]

@@ -18,8 +18,8 @@ import importlib.util
 from pathlib import Path
 
 from megatron_stem.config import Recipe
-from megatron_stem.errors import ConfigError
-from megatron_stem.parallel import on_rank0
+from megatron_stem.runtime.errors import ConfigError
+from megatron_stem.runtime.parallel import on_rank0
 
 SCORED = ("loglikelihood", "multiple_choice", "loglikelihood_rolling")
 

@@ -20,7 +20,7 @@ Data parallel: every rank runs the harness on the same requests (lm-eval sees on
 round-robin) and the shares are all-gathered over the data-parallel group, so every rank
 returns every score. Tensor-parallel peers score the same share together; their vocab
 slices of the logits are gathered before the softmax. Host-resident tables get each
-batch staged before its forward (training/host_tables.py), as validation does.
+batch staged before its forward (tables/host_tables.py), as validation does.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from lm_eval.api.model import TemplateLM
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-from megatron_stem.parallel import device
+from megatron_stem.runtime.parallel import device
 
 GENERATION_UNSUPPORTED = ("scores log-likelihoods only: generation (generate_until) is not "
                           "implemented; evaluate generation tasks on an export")
@@ -42,7 +42,7 @@ GENERATION_UNSUPPORTED = ("scores log-likelihoods only: generation (generate_unt
 
 class MegatronLM(TemplateLM):
     """`model`: the megatron GPT model (a DeepSpeed engine's module); `tokenizer`: ours
-    (megatron_stem.tokenizer); `vocab_size`: the real vocabulary; `max_length`: the
+    (megatron_stem.data.tokenizer); `vocab_size`: the real vocabulary; `max_length`: the
     model's sequence length; `tables`: the TableOptimizer when tables may live on the
     host (None: device-resident tables); `batch_size`: sequences per forward."""
 

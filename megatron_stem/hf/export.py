@@ -20,10 +20,10 @@ import torch
 import yaml
 
 from megatron_stem import checkpoint
+from megatron_stem.checkpoint.streaming import CheckpointReader
 from megatron_stem.config import ModelConfig
-from megatron_stem.errors import UserError
+from megatron_stem.data.tokenizer import check_fits
 from megatron_stem.hf import names, tokenizer_files
-from megatron_stem.hf.dist_io import CheckpointReader
 from megatron_stem.hf.safetensors_io import (
     Entry,
     ShardWriter,
@@ -32,7 +32,7 @@ from megatron_stem.hf.safetensors_io import (
     write_index,
 )
 from megatron_stem.model import rope_scaling, row_cache
-from megatron_stem.tokenizer import check_fits
+from megatron_stem.runtime.errors import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_stem.config import ModelConfig, from_dict
-from megatron_stem.errors import ConfigError, UserError
+from megatron_stem.runtime.errors import ConfigError, UserError
 
 MODEL_TYPE = "megatron_stem"
 ARCHITECTURE = "StemForCausalLM"

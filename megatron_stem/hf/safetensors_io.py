@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"  # what HF writes for a model that fits one file

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 
 SPACE = "▁"  # U+2581: sentencepiece's visible space
 # Probes of `check_same`: the whitespace, bytes and scripts where conversions go wrong.

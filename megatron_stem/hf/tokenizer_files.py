@@ -22,9 +22,9 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_stem.errors import UserError
+from megatron_stem.data.tokenizer import HuggingFaceTokenizer, Tokenizer, load_tokenizer
 from megatron_stem.hf import sentencepiece_json
-from megatron_stem.tokenizer import HuggingFaceTokenizer, Tokenizer, load_tokenizer
+from megatron_stem.runtime.errors import UserError
 
 _FAST = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
 

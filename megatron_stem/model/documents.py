@@ -32,6 +32,7 @@ masking", says why this one and what a GPU measurement has to confirm):
 from __future__ import annotations
 
 import inspect
+
 import numpy as np
 import torch
 import torch.nn.functional as F

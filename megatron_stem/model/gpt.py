@@ -11,7 +11,6 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_stem import cpu_compat
 from megatron_stem.config import (
     ModelConfig,
     ParallelConfig,
@@ -21,12 +20,12 @@ from megatron_stem.config import (
 from megatron_stem.model import documents
 from megatron_stem.model.host_copy import HostCopy
 from megatron_stem.model.init import truncated_fan_in_
-from megatron_stem.model.rope_scaling import llama3_inv_freq
 from megatron_stem.model.loss import chunked_lm_loss
+from megatron_stem.model.rope_scaling import llama3_inv_freq
 from megatron_stem.model.spec import block_spec
 from megatron_stem.model.table import StemTable
-from megatron_stem.parallel import seed_random_streams
-
+from megatron_stem.runtime import cpu_compat
+from megatron_stem.runtime.parallel import seed_random_streams
 
 # `parallel.recompute_modules` that megatron's TransformerConfig does itself: the attention
 # core (softmax(QK^T)V), and the whole MLP (STEM's gets its token ids through the

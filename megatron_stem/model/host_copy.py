@@ -6,7 +6,7 @@ states) instead of one each: the copy is a file in /dev/shm that every sharer ma
 (`torch.from_file(shared=True)`), created and initialized by the copy's first rank and
 unlinked as soon as all have mapped it (nothing is left behind, even after a crash later).
 The table is not pinned: rows are gathered from it into a pinned staging buffer, which is
-what the DMA to the GPU reads (training/host_tables.py).
+what the DMA to the GPU reads (tables/host_tables.py).
 
 `HostCopy` also carries the groups the table optimizer needs to split the work on a copy
 among its sharers (row ownership) and to keep copies on different nodes identical.
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_stem.errors import ConfigError, UserError
+from megatron_stem.runtime.errors import ConfigError, UserError
 
 SHM_DIR = "/dev/shm"
 

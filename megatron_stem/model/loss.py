@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
-                                           gather_from_sequence_parallel_region,
-                                           vocab_parallel_cross_entropy)
+from megatron.core.tensor_parallel import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    vocab_parallel_cross_entropy,
+)
 
 
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -1,6 +1,6 @@
 """A device-resident cache of the most frequent rows of STEM tables (LFU with aging).
 
-The hot-row cache of the trainer's host-resident tables (`training/host_tables.py`) and of
+The hot-row cache of the trainer's host-resident tables (`tables/host_tables.py`) and of
 the Hugging Face model's (decoding serves hot rows from it): every export bundles this
 file next to its model code (`hf/export.py`), so it imports only torch.
 """

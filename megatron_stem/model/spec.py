@@ -21,12 +21,12 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from megatron_stem.config import ModelConfig
-from megatron_stem.mcore_versions import mlp_tp_group
 from megatron_stem.model.attention import SDPAttention
 from megatron_stem.model.norm import RMSNorm
 from megatron_stem.model.recompute import down_of_recomputed, swiglu
 from megatron_stem.model.stem_mlp import StemMLP, StemMLPSubmodules
 from megatron_stem.model.table import StemTable
+from megatron_stem.runtime.mcore_versions import mlp_tp_group
 
 
 def table_seed(seed: int, layer_index: int) -> int:

@@ -12,8 +12,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
-from megatron_stem.mcore_versions import mlp_tp_group
 from megatron_stem.model.recompute import down_of_recomputed
+from megatron_stem.runtime.mcore_versions import mlp_tp_group
 
 
 @dataclass

@@ -46,7 +46,7 @@ def xavier_normal_table_(weight: torch.Tensor, full_width: int, column_offset: i
 class RowSource(Protocol):
     """Serves the lookups of host-placed tables (`StemTable.host`): what the model needs of
     whoever stages their rows on the accelerator (the trainer's `HostTableStore`,
-    training/host_tables.py, which implements it; the model never imports training)."""
+    tables/host_tables.py, which implements it; the model never imports training)."""
 
     def lookup(self, token_ids: torch.Tensor,
                table: "StemTable") -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +74,7 @@ class StemTable(MegatronModule):
     the staged rows, not here.
 
     `weight.pending_rows`: while the table optimizer is still writing rows this forward
-    may read (`tables.overlap: next_step`, training/tables/overlap.py), a callable that
+    may read (`tables.overlap: next_step`, tables/overlap.py), a callable that
     returns once the rows a lookup of these ids may read are in place; a lookup calls it
     first.
     """

@@ -26,7 +26,8 @@ and fp32 communication, `communication_data_type: fp32`; fp32 runs communicate f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from megatron_stem.accounting import account
+
+from megatron_stem.model.accounting import account
 from megatron_stem.planning.hardware import Hardware
 from megatron_stem.planning.workload import Cluster, Component, Workload
 

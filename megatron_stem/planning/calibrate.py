@@ -36,10 +36,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_stem.accounting import training_flops_per_token
 from megatron_stem.config import ModelConfig
-from megatron_stem.planning.hardware import (CACHE_DIR, PROFILE_VERSION, PUBLISHED, Hardware,
-                                             save)
+from megatron_stem.model.accounting import training_flops_per_token
+from megatron_stem.planning.hardware import CACHE_DIR, PROFILE_VERSION, PUBLISHED, Hardware, save
 from megatron_stem.planning.microbench import best, copy_rates, flat_adam_rate, row_adam_rate
 
 # The calibration shape: 32k vocabulary (the shipped corpus through a 32k BPE model), four
@@ -89,7 +88,7 @@ def compute_rate(model_kwargs: dict | None = None, micro_batch: int = MICRO_BATC
     from megatron_stem.config import ParallelConfig
     from megatron_stem.model import build_model
     from megatron_stem.model.table import StemTable
-    from megatron_stem.parallel import destroy_distributed, device, init_distributed
+    from megatron_stem.runtime.parallel import destroy_distributed, device, init_distributed
 
     model = ModelConfig(**(model_kwargs or CALIBRATION_MODEL), stem_layers=stem_layers)
     init_distributed(ParallelConfig())

@@ -1,7 +1,7 @@
 """The forward/backward of one rank's step, priced by what it computes.
 
 The dense shape's forward/backward runs at the profile's achievable MFU (`Hardware.mfu`, on
-FLOPs as accounting.py counts them for MFU). A STEM layer's MLP differs from the dense one
+FLOPs as model/accounting.py counts them for MFU). A STEM layer's MLP differs from the dense one
 in its fc1 only: the gate alone (ffn/TP wide), where the dense layer multiplies by the gate
 and the up-projection fused in one GEMM (2 x ffn/TP wide). So the STEM model's compute is
 the dense shape's less, per STEM layer and micro-batch, the difference of those two GEMMs
@@ -21,7 +21,7 @@ what it costs at its own shape, not the step's average rate. On top of that:
 * forward work the backward does again (`Workload.recompute_flops_per_token`: activation
   recompute, the chunked loss's logits), at the same MFU: not in MFU's count, in the time;
   the FFN activation's elementwise recompute (`mlp_act`) as passes through memory;
-* the loop's host syncs: `loss.item()` after every micro-batch's backward (train.py) and the
+* the loop's host syncs: `loss.item()` after every micro-batch's backward (training/loop.py) and the
   loss's mean over data parallel.
 """
 
@@ -64,7 +64,7 @@ def accumulation_bytes(w: Workload) -> float:
 
 
 def loop_syncs(w: Workload) -> int:
-    """Host syncs of the training loop itself (train.py `train_step`)."""
+    """Host syncs of the training loop itself (training/loop.py `train_step`)."""
     return w.microbatches + 1
 
 

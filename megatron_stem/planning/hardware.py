@@ -13,7 +13,7 @@ GPU profiles are published numbers (per GPU unless said; GB = 1e9 bytes):
 
 Derived, and stated as assumptions (bench/gpu/run_all.sh refits them on one H200):
 - achievable MFU of the dense forward/backward at the 1B shapes: 37%, by the field's count
-  of FLOPs (accounting.py): a Llama-3.2-1B-shaped baseline trains at ~42k tokens/s per H100
+  of FLOPs (model/accounting.py): a Llama-3.2-1B-shaped baseline trains at ~42k tokens/s per H100
   (8 GPUs), 34.9% of 989 TFLOP/s at 8.22 GFLOP/token for the whole step, of which the
   forward/backward is ~95%; MPT-1B at seq 2048 reports 41.5%;
 - one bf16 GEMM's share of peak by its FLOPs (`GEMM_CURVE`, interpolated in log FLOPs):
@@ -53,7 +53,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 
 GB = 1e9
 
@@ -81,7 +81,7 @@ NODE_CORE_SPEED = 1.0
 class Hardware:
     name: str
     peak_flops: float  # per accelerator, the dtype training uses (bf16 on GPUs)
-    mfu: float  # achievable MFU of a dense forward/backward (accounting.py's FLOPs)
+    mfu: float  # achievable MFU of a dense forward/backward (model/accounting.py's FLOPs)
     memory_bw: float  # accelerator memory (HBM; the CPU profile: its memcpy), B/s read + written
     memory_bytes: float  # accelerator memory capacity
     nvlink_bw: float  # per GPU per direction, B/s (CPU profile: unused)

@@ -1,7 +1,7 @@
 """Memory per GPU of a recipe's training step, part by part: what the planner predicts.
 
 Every figure is a count times bytes, none is measured: parameter counts from
-`accounting.py` (the backbone's active parameters, sliced over TP x PP as `step.py` does),
+`model/accounting.py` (the backbone's active parameters, sliced over TP x PP as `step.py` does),
 table shapes and row counts from `traffic.py` and the Zipf row model (`rows.py`), the
 recipe's sequence, micro-batch, dtype, ZeRO stage and recompute, and the table options
 (placement, partition, where the tables' optimizer state lives). Activations follow
@@ -17,7 +17,7 @@ backward:
 * gradients: the backbone's in the training dtype (ZeRO-1: all of them; ZeRO-2: the
   rank's partition), and the tables' row gradients of the step: each micro-batch's sparse
   gradient as backward gives it (one row per token position), then their fp32 sums over
-  the step's distinct rows (`training/row_grads.py`);
+  the step's distinct rows (`tables/row_grads.py`);
 * optimizer: the backbone's fp32 master and two Adam moments, 12 bytes per parameter over
   data parallel (ZeRO-1/2), in host memory with `optimizer.offload`;
 * tables: the device tables in the training dtype (`tables.placement: device`) or the
@@ -44,15 +44,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_stem.accounting import account
 from megatron_stem.config import Recipe
+from megatron_stem.model.accounting import account
 from megatron_stem.planning import rows as row_model
 from megatron_stem.planning import traffic
-from megatron_stem.planning.hardware import Hardware
 from megatron_stem.planning.backbone import BACKBONE_OPTIMIZER_BYTES_PER_PARAM
-from megatron_stem.planning.workload import (ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN, Cluster,
-                                             expected_rows)
+from megatron_stem.planning.hardware import Hardware
 from megatron_stem.planning.traffic import FP32, Layout, TableShape
+from megatron_stem.planning.workload import (
+    ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN,
+    Cluster,
+    expected_rows,
+)
 
 # Of Korthikanti's 34 bytes x hidden per token per layer, those tensor parallelism splits
 # without sequence parallelism (the attention and MLP blocks' inner tensors); the other 10

@@ -69,8 +69,8 @@ def row_adam_rate(kernel: str = "deepspeed", rows: int = TABLE_ROWS, width: int 
     of an owner's shard with a clipping scale (folded into the op) and the new rows written
     in bf16 (a separate table's dtype). `scattered`: the shard's rows interleaved over a
     table that is its own master (fp32 CPU tables, the calibration model's), no copy out."""
-    from megatron_stem.training.tables.adam import AdamKernel
-    from megatron_stem.training.tables.shards import interleaved_order
+    from megatron_stem.tables.adam import AdamKernel
+    from megatron_stem.tables.shards import interleaved_order
 
     k = AdamKernel(kernel, (0.9, 0.95), 1e-8)
     state = torch.arange(rows)
@@ -92,7 +92,7 @@ def row_adam_rate(kernel: str = "deepspeed", rows: int = TABLE_ROWS, width: int 
 def flat_adam_rate(kernel: str, elements: int = TABLE_ROWS * TABLE_WIDTH) -> float:
     """Elements/s of `AdamKernel.update` on contiguous fp32 tensors (the torch kernel's
     arithmetic without the row gathers, which the planner counts apart)."""
-    from megatron_stem.training.tables.adam import AdamKernel
+    from megatron_stem.tables.adam import AdamKernel
 
     k = AdamKernel(kernel, (0.9, 0.95), 1e-8)
     p, g, m, v = (torch.rand(elements) for _ in range(4))
@@ -159,7 +159,7 @@ def row_grads_bw() -> float:
     the step's rows staged from the host's ids (`StepRows`), the tables' hooks collect each
     micro-batch's sparse gradient (row_grads_of), `take_same_rows` sums them (on a CPU the
     trainer's sum runs inline at the last backward's end; the same ops)."""
-    from megatron_stem.training.row_grads import StepRows, row_grads_of, take_same_rows
+    from megatron_stem.tables.row_grads import StepRows, row_grads_of, take_same_rows
 
     tables = [torch.nn.Parameter(torch.randn(TABLE_VOCAB, TABLE_WIDTH))
               for _ in range(STEP_TABLES)]
@@ -220,7 +220,7 @@ def place_bw() -> float:
     `gather_shards`): each table's own updated rows gathered out of it for the all-gather
     (`index_select` into a reused buffer), the other owner's rows put into it (`index_copy_`),
     both at the rows of a shard (interleaved over the table)."""
-    from megatron_stem.training.tables.shards import interleaved_order
+    from megatron_stem.tables.shards import interleaved_order
 
     rows = TABLE_VOCAB // 2
     order = interleaved_order(TABLE_VOCAB)

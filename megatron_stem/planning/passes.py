@@ -5,7 +5,7 @@ it: bytes read + written, and host syncs (an op whose result size or value the h
 `traffic.py` counts what crosses between ranks or memories (the trainer's counters); this
 module counts what the same path does in place, per rank per step, all tables:
 
-* `collect_*`: training/row_grads.py `RowGradSum`, per table: each micro-batch's sparse
+* `collect_*`: tables/row_grads.py `RowGradSum`, per table: each micro-batch's sparse
   gradient upcast to fp32 (bf16 training; a no-op in fp32) and summed per row by
   `embedding_dense_backward` over its rows (known from the host's ids, `StepRows`: no
   `unique`, no sync), their sums `index_add_`-ed into the step's union in fp32, then cast

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_stem.planning.step import (UNDER_BACKBONE_STEP, UNDER_REDUCTION_TAIL, Plan,
-                                         Workload)
+from megatron_stem.planning.step import UNDER_BACKBONE_STEP, UNDER_REDUCTION_TAIL, Plan, Workload
 from megatron_stem.planning.traffic import RowCounts
 
 

@@ -42,17 +42,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from megatron_stem.config import Recipe
-from megatron_stem.errors import UserError
+from megatron_stem.config.table_layout import TableLayout
 from megatron_stem.planning import passes, traffic
-from megatron_stem.planning.backbone import (BACKBONE_OPTIMIZER_BYTES_PER_PARAM,
-                                             backbone_components)
+from megatron_stem.planning.backbone import BACKBONE_OPTIMIZER_BYTES_PER_PARAM, backbone_components
 from megatron_stem.planning.compute import compute_components
 from megatron_stem.planning.hardware import Hardware
 from megatron_stem.planning.traffic import Layout, RowCounts
-from megatron_stem.planning.workload import (Cluster, Component, Workload,  # noqa: F401
-                                             expected_rows, workload)
-from megatron_stem.training.tables.layout import TableLayout
-from megatron_stem.training.tables.overlap import READY_STAGES
+from megatron_stem.planning.workload import Cluster, Component, Workload, expected_rows, workload  # noqa: F401
+from megatron_stem.runtime.errors import UserError
+from megatron_stem.tables.overlap import READY_STAGES
 
 PLACEMENTS = ("device", "host")
 UPDATES = ("dense", "lazy")
@@ -73,7 +71,7 @@ ACCELERATOR_ROW_ADAM_BYTES = 24 + 12 + 8 + 68 + 24 + 6
 # copies to CPU state, on a side stream): exposed only by what outlasts that step.
 UNDER_BACKBONE_STEP = "under_backbone_step"
 # ... and beside the backbone reduction's tail (the row gradients' sum, queued on a side
-# stream as the last backward ends, training/row_grads.py): exposed by what outlasts it.
+# stream as the last backward ends, tables/row_grads.py): exposed by what outlasts it.
 UNDER_REDUCTION_TAIL = "under_reduction_tail"
 TABLE_PHASES = ("sync", UNDER_REDUCTION_TAIL, UNDER_BACKBONE_STEP, "tables", "staging")
 

@@ -2,7 +2,7 @@
 
 The step planner predicts with these functions (from modelled row counts, `rows.py`); the
 trainer counts the same quantities as it moves them (`TrafficCounters` in
-training/tables/shards.py, logged as `tables/*`): each function below names the counter it
+tables/shards.py, logged as `tables/*`): each function below names the counter it
 predicts and follows the code's path, so a test can hold the two equal on measured row
 counts.
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_stem.accounting import account, training_flops_per_token
 from megatron_stem.config import ModelConfig, Recipe
-from megatron_stem.errors import UserError
+from megatron_stem.model.accounting import account, training_flops_per_token
 from megatron_stem.planning import rows as row_model
 from megatron_stem.planning.traffic import RowCounts, TableShape
+from megatron_stem.runtime.errors import UserError
 
 # Activation memory per token per layer in bf16 without recompute, with flash attention
 # (Korthikanti et al. 2022: 34 x hidden bytes per token per layer, the s^2 term gone).
@@ -58,7 +58,7 @@ class Workload:
     shape: TableShape
     rows: RowCounts
     # The busiest owner's received rows over the mean in the grads-to-owners all-to-all:
-    # 1 with the shards' interleaved rows (training/tables/shards.py); contiguous ranges of
+    # 1 with the shards' interleaved rows (tables/shards.py); contiguous ranges of
     # a frequency-ordered BPE vocabulary would give the first owner ~3x (docs/tables.md).
     owner_skew: float = 1.0
 
@@ -121,7 +121,7 @@ def workload(recipe: Recipe, cluster: Cluster, exponent: float = row_model.ZIPF_
 
 def recompute_flops(recipe: Recipe) -> float:
     """FLOPs per token that the backward spends computing forward work again (counted as
-    `accounting.py` counts the forward: 2 x the weights' GEMM parameters, 4 x layers x
+    `model/accounting.py` counts the forward: 2 x the weights' GEMM parameters, 4 x layers x
     hidden x sequence for attention): `parallel.recompute: full` every layer's forward,
     `selective` its modules' (`core_attn` attention's scores and values, `mlp` the FFN's
     GEMMs, `mlp_act` elementwise only: none), `parallel.loss_chunk_tokens` the output

@@ -22,7 +22,7 @@ import statistics
 from collections import deque
 from typing import Callable, Optional
 
-from megatron_stem.errors import UserError
+from megatron_stem.runtime.errors import UserError
 
 
 class Diverged(UserError):

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_stem.accounting import account, mfu
 from megatron_stem.config import Recipe
-from megatron_stem.parallel import on_rank0
+from megatron_stem.model.accounting import account, mfu
+from megatron_stem.runtime.parallel import on_rank0
 from megatron_stem.training.profiling import TABLE_PHASES, PhaseTimer
 
 

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_stem.config import ProfileConfig
-from megatron_stem.errors import ConfigError
+from megatron_stem.runtime.errors import ConfigError
 
 # The step's phases, in the order a log line shows them.
 PHASES = ("forward_backward", "backbone_step", "tables_stage", "tables_sync", "tables_step")

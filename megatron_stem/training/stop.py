@@ -22,7 +22,7 @@ import signal
 import socket
 from pathlib import Path
 
-from megatron_stem import lifetime
+from megatron_stem.runtime import process_lifetime
 
 EXIT_REQUEUE = 99  # stopped by a signal after saving: the job should be requeued
 _STOP, _REQUEUE = 1.0, 2.0  # what a rank was asked for; the ranks agree on the most
@@ -46,7 +46,7 @@ def end_with_launcher() -> None:
     """In a rank torchrun started: end it when the launcher dies (`lifetime`). A run
     started from a shell is left alone: under nohup it outlives its shell, as asked."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        lifetime.exit_with_parent(f"rank {os.environ.get('RANK', '?')}", launcher="torch")
+        process_lifetime.exit_with_parent(f"rank {os.environ.get('RANK', '?')}", launcher="torch")
 
 
 class StopSignal:
@@ -64,7 +64,7 @@ class StopSignal:
         import torch  # not at the top: see the module's docstring
         import torch.distributed as dist
 
-        from megatron_stem.parallel import device
+        from megatron_stem.runtime.parallel import device
 
         asked = torch.tensor([_asked], device=device())
         dist.all_reduce(asked, op=dist.ReduceOp.MAX)

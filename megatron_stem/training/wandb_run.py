@@ -16,7 +16,7 @@ import secrets
 from pathlib import Path
 
 from megatron_stem.config import Recipe, to_dict
-from megatron_stem.errors import ConfigError
+from megatron_stem.runtime.errors import ConfigError
 
 ID_FILE = "wandb_run_id"
 

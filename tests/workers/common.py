@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # megatron_stem before megatron-core: its import hook keeps megatron-core from importing
-# TorchDynamo and Inductor (megatron_stem/lazy_imports.py), seconds of every rank's start.
+# TorchDynamo and Inductor (megatron_stem/runtime/lazy_imports.py), seconds of every rank's start.
 import megatron_stem  # noqa: F401
 
 # isort: split

@@ -107,7 +107,7 @@ def train(save_dir: Path, tokenizer_file: Path, stem_layers, max_steps: int = MA
     """Full-batch AdamW until the loss is below `target_loss` (or `max_steps`), in this
     process (a megatron world of one must be up); saves a checkpoint whose recipe names
     the tokenizer."""
-    from megatron_stem.tokenizer import load_tokenizer
+    from megatron_stem.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer("huggingface", tokenizer_file)
     model_cfg = ModelConfig(**SHAPE, vocab_size=tokenizer.vocab_size, stem_layers=stem_layers)

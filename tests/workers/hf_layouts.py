@@ -9,7 +9,7 @@ Rank 0 writes FILE: {"tokens": ..., "NAME@tp1": logits, ...} (full padded vocab)
 """
 
 # megatron_stem before megatron-core: its import hook keeps megatron-core from importing
-# TorchDynamo and Inductor (megatron_stem/lazy_imports.py), seconds of every rank's start.
+# TorchDynamo and Inductor (megatron_stem/runtime/lazy_imports.py), seconds of every rank's start.
 import megatron_stem  # noqa: F401
 
 # isort: split
@@ -22,7 +22,7 @@ from megatron.core import parallel_state
 from common import hf_tokens
 from hf_reference import loaded_logits
 from megatron_stem.config import ParallelConfig
-from megatron_stem.parallel import destroy_distributed, init_distributed
+from megatron_stem.runtime.parallel import destroy_distributed, init_distributed
 
 LAYOUTS = {"tp1": ParallelConfig(), "tp2": ParallelConfig(tensor_parallel=2),
            "pp2": ParallelConfig(pipeline_parallel=2)}

@@ -21,7 +21,7 @@ import torch
 from megatron_stem.config import ModelConfig
 from megatron_stem.hf import names
 from megatron_stem.hf.export import export
-from megatron_stem.hf.import_ import import_hf
+from megatron_stem.hf.import_model import import_hf
 from megatron_stem.hf.safetensors_io import Entry, ShardWriter, plan_shards, shard_name, \
     write_index
 

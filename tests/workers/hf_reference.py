@@ -13,7 +13,7 @@ padding columns megatron adds for TP are not tokens.
 """
 
 # megatron_stem before megatron-core: its import hook keeps megatron-core from importing
-# TorchDynamo and Inductor (megatron_stem/lazy_imports.py), seconds of every rank's start.
+# TorchDynamo and Inductor (megatron_stem/runtime/lazy_imports.py), seconds of every rank's start.
 import megatron_stem  # noqa: F401
 
 # isort: split
@@ -30,7 +30,7 @@ from common import TINY, hf_tokens
 from megatron_stem import checkpoint
 from megatron_stem.config import ModelConfig, ParallelConfig, Recipe
 from megatron_stem.model import build_model
-from megatron_stem.parallel import destroy_distributed, init_distributed
+from megatron_stem.runtime.parallel import destroy_distributed, init_distributed
 
 LAYOUTS = {"tp2": ParallelConfig(tensor_parallel=2), "pp2": ParallelConfig(pipeline_parallel=2)}
 # Dense uses tied embeddings at TP=2 (megatron-core cannot tie across pipeline stages on

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from common import HostTable
 from megatron_stem.config import ParallelConfig
 from megatron_stem.model.host_copy import SHM_DIR, HostCopy
-from megatron_stem.parallel import destroy_distributed, init_distributed
-from megatron_stem.training.host_tables import HostTableStore
-from megatron_stem.training.tables.layout import TableLayout
-from megatron_stem.training.tables.optimizer import TableOptimizer
+from megatron_stem.runtime.parallel import destroy_distributed, init_distributed
+from megatron_stem.tables.host_tables import HostTableStore
+from megatron_stem.config.table_layout import TableLayout
+from megatron_stem.tables.optimizer import TableOptimizer
 
 VOCAB, WIDTH, STEPS = 98, 8, 4
 CASES = {"device_sharded": ("device", "sharded", 0),

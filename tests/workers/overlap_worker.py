@@ -16,9 +16,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_stem.config import ParallelConfig
-from megatron_stem.parallel import destroy_distributed, init_distributed
-from megatron_stem.training.tables.layout import TableLayout
-from megatron_stem.training.tables.optimizer import TableOptimizer
+from megatron_stem.runtime.parallel import destroy_distributed, init_distributed
+from megatron_stem.config.table_layout import TableLayout
+from megatron_stem.tables.optimizer import TableOptimizer
 
 USES = []  # (thread name, group) of every collective
 

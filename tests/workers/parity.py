@@ -12,7 +12,7 @@ positions (model/loss.py); `--loss-mask`: some positions out of the loss (`loss_
 """
 
 # megatron_stem before megatron-core: its import hook keeps megatron-core from importing
-# TorchDynamo and Inductor (megatron_stem/lazy_imports.py), seconds of every rank's start.
+# TorchDynamo and Inductor (megatron_stem/runtime/lazy_imports.py), seconds of every rank's start.
 import megatron_stem  # noqa: F401
 
 # isort: split
@@ -28,8 +28,8 @@ from common import full_named, loss_masked, microbatches, tiny_model
 from megatron_stem import checkpoint
 from megatron_stem.config import ParallelConfig
 from megatron_stem.model import build_model
-from megatron_stem.parallel import destroy_distributed, init_distributed
-from megatron_stem.training.data import model_inputs
+from megatron_stem.runtime.parallel import destroy_distributed, init_distributed
+from megatron_stem.training.batches import model_inputs
 from schedule import forward_backward
 
 

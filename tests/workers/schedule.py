@@ -2,14 +2,14 @@
 
 Wraps megatron-core's pipeline schedules (1F1B under PP, plain loop otherwise). A
 micro-batch is a dict of [b, s] tensors: `tokens`, `labels`, `loss_mask` (and, with documents,
-`position_ids` and `documents`, as training/data.py makes them). Every pipeline
+`position_ids` and `documents`, as training/batches.py makes them). Every pipeline
 stage receives the tokens: STEM layers on any stage look them up (see model/gpt.py).
 """
 
 from __future__ import annotations
 
 # megatron_stem before megatron-core: its import hook keeps megatron-core from importing
-# TorchDynamo and Inductor (megatron_stem/lazy_imports.py), seconds of every rank's start.
+# TorchDynamo and Inductor (megatron_stem/runtime/lazy_imports.py), seconds of every rank's start.
 import megatron_stem  # noqa: F401
 
 # isort: split
@@ -19,7 +19,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_stem.training.data import model_inputs
+from megatron_stem.training.batches import model_inputs
 
 
 def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):

@@ -15,11 +15,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_stem.config import ParallelConfig
-from megatron_stem.parallel import destroy_distributed, init_distributed
+from megatron_stem.runtime.parallel import destroy_distributed, init_distributed
 from megatron_stem.planning import traffic
-from megatron_stem.training.tables.layout import TableLayout
-from megatron_stem.training.tables.optimizer import TableOptimizer
-from megatron_stem.training.tables.shards import interleaved_order
+from megatron_stem.config.table_layout import TableLayout
+from megatron_stem.tables.optimizer import TableOptimizer
+from megatron_stem.tables.shards import interleaved_order
 
 VOCAB, WIDTH, TABLES = 64, 8, 2
 # (`next_step`'s padded gathers, one per stage, are modelled from one longest owner, not per

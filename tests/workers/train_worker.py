@@ -17,8 +17,8 @@ import time
 
 from common import TINY
 from megatron_stem.config import Recipe, apply_overrides, from_dict
-from megatron_stem.errors import cli
-from megatron_stem.train import run
+from megatron_stem.runtime.errors import cli
+from megatron_stem.training.loop import run
 
 
 class VocabOnlyTokenizer:
@@ -52,7 +52,7 @@ def delay_the_rest(seconds: float) -> None:
     first, then those of its later micro-batches, then the rest, in the background: hold
     back all but the first, so the next forward surely runs before them (and the second
     micro-batch's lookups must wait for their rows)."""
-    from megatron_stem.training.tables.overlap import STAGE_NAMES, Overlap
+    from megatron_stem.tables.overlap import STAGE_NAMES, Overlap
 
     run = Overlap._run
 
@@ -68,10 +68,10 @@ def slow_save(step: int, seconds: int, full_disk_at: int) -> None:
     step `full_disk_at`'s finds the disk full."""
     import errno
 
-    from megatron_stem import background_save
+    from megatron_stem.checkpoint import background
     from megatron_stem.checkpoint import iter_name
 
-    write = background_save._write_buckets
+    write = background._write_buckets
 
     def slow(transforms, buckets, results):
         if buckets and f"{iter_name(step)}.tmp" in buckets[0][0]:
@@ -79,12 +79,12 @@ def slow_save(step: int, seconds: int, full_disk_at: int) -> None:
         if buckets and f"{iter_name(full_disk_at)}.tmp" in buckets[0][0]:
             raise OSError(errno.ENOSPC, "No space left on device")
         write(transforms, buckets, results)
-    background_save._write_buckets = slow
+    background._write_buckets = slow
 
 
 def record_collectives() -> list:
     """Every collective the tables issue, as (communicator, thread, op), in issue order."""
-    from megatron_stem.training.tables.comm import Comm
+    from megatron_stem.tables.comm import Comm
 
     issued, check = [], Comm._check
 
@@ -99,7 +99,7 @@ def plant_nan(step: int) -> None:
     """Rank 1's own row gradients of its first table get a NaN at `step`."""
     import torch.distributed as dist
 
-    from megatron_stem.training.tables.optimizer import TableOptimizer
+    from megatron_stem.tables.optimizer import TableOptimizer
 
     take, calls = TableOptimizer._local_row_grads, [0]
 

@@ -1,0 +1,59 @@
+"""The model's weights in a checkpoint (`iter_N/model/`): a megatron dist checkpoint of
+`sharded_state_dict()`, layout-free (any TP/PP/DP layout loads what any other saved), every
+data-parallel rank writing its share of the replicated tensors (strategy.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron.core import dist_checkpointing
+
+from megatron_stem.checkpoint.commit import barrier, is_writer
+from megatron_stem.checkpoint.from_dense import STEM_MLP, from_dense_mlp
+from megatron_stem.checkpoint.layout import MODEL
+from megatron_stem.checkpoint.strategy import parallel_save_strategy
+from megatron_stem.runtime.mcore_versions import check_readable
+
+
+def save_model(model, folder: Path, background=None) -> None:
+    if is_writer():
+        (folder / MODEL).mkdir(exist_ok=True)
+    barrier()
+    save_sharded(model.sharded_state_dict(), folder / MODEL, background)
+
+
+def save_sharded(sharded_state_dict: dict, folder: Path, background=None) -> None:
+    """A dist checkpoint of `sharded_state_dict` in `folder`, written now, or planned and
+    copied to host memory now and written by `background` (a `BackgroundSave`)."""
+    if background is not None:
+        background.add(sharded_state_dict, folder)
+    else:
+        dist_checkpointing.save(sharded_state_dict, str(folder),
+                                sharded_strategy=parallel_save_strategy())
+
+
+def load_model(model, ckpt: Path, tables: str = "keep", dense_source: bool = False) -> None:
+    """Load a checkpoint's weights into `model`, whatever layout it was saved from.
+
+    `tables: reinit` leaves the model's STEM tables as they were built (a fresh run's
+    init) instead of loading the checkpoint's. `dense_source`: the checkpoint is the dense
+    baseline of this STEM model (`check_same_shape`): each STEM layer's gate and down
+    projections are the dense layer's gate half of `linear_fc1` and its `linear_fc2`, its
+    up half is dropped, the tables start fresh; every other weight is loaded as it is."""
+    sharded = model.sharded_state_dict()
+    fresh = {k: sharded.pop(k) for k in list(sharded)
+             if _is_table(k) and (tables == "reinit" or dense_source)}
+    if dense_source:
+        sharded = {k: from_dense_mlp(v) if STEM_MLP.search(k) else v
+                   for k, v in sharded.items()}
+    check_readable(ckpt / MODEL)
+    # The dense up halves are never read, which megatron's check that every part of a
+    # tensor is read exactly once would refuse.
+    state = dist_checkpointing.load(sharded, str(ckpt / MODEL),
+                                    validate_access_integrity=not dense_source)
+    state.update({k: sh.data for k, sh in fresh.items()})
+    model.load_state_dict(state)
+
+
+def _is_table(key: str) -> bool:
+    return key.endswith(".mlp.table.weight")
