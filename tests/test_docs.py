@@ -26,8 +26,8 @@ from unittest import mock
 
 import pytest
 
-from conftest import ROOT
-from conftest import tool_main as script_main
+from support.processes import ROOT
+from support.processes import tool_main as script_main
 from megatron_stem.config import load_recipe
 from megatron_stem.runtime.errors import ConfigError
 

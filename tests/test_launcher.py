@@ -1,4 +1,4 @@
-"""The suite's torchrun (tests/launcher.py): ranks forked from a process that imported the
+"""The suite's torchrun (tests/support/launcher.py): ranks forked from a process that imported the
 libraries start as the command's exec'd ranks do."""
 
 import json
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import WORKERS, free_port, subprocess_env, torchrun
+from support.processes import WORKERS, free_port, subprocess_env, torchrun
 
 pytestmark = pytest.mark.integration  # torchrun
 

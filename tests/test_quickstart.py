@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, subprocess_env
+from support.processes import ROOT, subprocess_env
 
 pytestmark = pytest.mark.integration  # tools/quickstart.sh end to end
 

@@ -35,7 +35,7 @@ print(f"Python {sys.version.split()[0]}, torch {v("torch")}, megatron-core {v("m
             tail -1) (output: $ENV/pytest-$name.log)"
     }
     tests unit -m "not integration"
-    tests parity tests/test_parallel_parity.py
+    tests parity tests/model/test_parallel_parity.py
     out=$ENV/quickstart
     rm -rf "$out"
     PYTHON="$ENV/bin/python" QUICKSTART_DIR="$out" bash tools/quickstart.sh > "$out.log" 2>&1 || status=1

@@ -371,7 +371,7 @@ class OptimizerConfig:
 
     RANGES: ClassVar[dict[str, Range]] = {
         # Generous: it catches an exponent that lost its minus (4e4 for 4e-4), and leaves
-        # room for runs made to diverge on purpose (tests/test_training_guard.py).
+        # room for runs made to diverge on purpose (tests/training/test_guard.py).
         "lr": Range(above=0, high=1e3, why="Adam's step is about lr per weight: a "
                     "learning rate is far below 1"),
         "min_lr_ratio": Range(low=0, high=1, why="a fraction of lr"),

@@ -11,7 +11,7 @@ document on the fast path.
   fallback for whatever gigatoken cannot load.
 
 gigatoken's ids are checked, not assumed, to be the reference's: by the identity tests
-(tests/test_preprocess_identity.py) and, in every run, on its first documents
+(tests/data/test_preprocess_identity.py) and, in every run, on its first documents
 (`first_difference`, `--verify-tokenizer`).
 """
 

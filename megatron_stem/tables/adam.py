@@ -1,7 +1,7 @@
 """AdamW on the tables' rows, in place: DeepSpeed's CPU Adam arithmetic, or torch's.
 
 `AdamKernel.update_rows` is what the tables' optimizer calls; `update` is the flat
-reference it is tested against (tests/test_checkpoint_kernel.py)."""
+reference it is tested against (tests/tables/test_adam_kernel.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,276 @@
+"""slurm/launch.sh without a cluster: its command line, ranks per node and rendezvous port,
+with stand-ins for SLURM's commands, and its bash 4.2 compatibility.
+
+The stand-in `srun` runs the per-node command as node 0 and the stand-in `python` records
+what torchrun was asked to run, so a GPU job's variables (which the real two-node test,
+a CPU job, cannot have in effect) are checked down to torchrun's `--nproc-per-node`.
+
+Bash before 4.4 takes a bare "${a[@]}" of an empty array for an unset variable under
+`set -u` and stops the script (CentOS/RHEL 7 clusters ship bash 4.2). No such bash can be
+installed here, and bash 5 has no mode that behaves that way, so the rule is checked on
+the script's text: every array that can be empty (filled by `read -a`) is expanded
+through the ${a[@]+"${a[@]}"} idiom.
+"""
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from support.processes import ROOT, subprocess_env
+
+LAUNCH = ROOT / "slurm" / "launch.sh"
+
+STUBS = {
+    "scontrol": 'case "$1 $2" in "show hostnames") echo node1 ;; esac',
+    # srun's own options (recorded), then the per-node command, run as node 0
+    "srun": 'while [[ $1 == --* ]]; do echo "$1" >>"$STEM_TEST_ARGS.srun"; shift; done\n'
+            'SLURM_NODEID=0 SLURM_NNODES=$SLURM_JOB_NUM_NODES exec "$@"',
+    # torchrun (slurm/torchrun.py): its arguments, path, threads and PYTHONPATH recorded;
+    # the data cache's build: its arguments; anything else is launch.sh's "can import
+    # torch and deepspeed" check
+    "python": 'case $1 in *torchrun.py) echo "$1" >"$STEM_TEST_ARGS.script"; shift\n'
+              '  printf "%s\\n" "$@" >"$STEM_TEST_ARGS"\n'
+              '  echo "$PYTHONPATH" >"$STEM_TEST_ARGS.pythonpath"\n'
+              '  echo "$OMP_NUM_THREADS" >"$STEM_TEST_ARGS.threads"; echo torchrun >>"$STEM_TEST_ARGS.order" ;;\n'
+              '  *build_data_cache.py) shift; printf "%s\\n" "$@" >"$STEM_TEST_ARGS.cache"\n'
+              '  echo cache >>"$STEM_TEST_ARGS.order" ;; esac',
+    # Apptainer: its options recorded, then the command after the image, run on the host
+    "apptainer": 'echo "$@" >"$STEM_TEST_ARGS.apptainer"\n'
+                 'while [[ $1 != *.sif ]]; do shift; done; shift; exec "$@"',
+}
+
+
+def _run_launch(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, body in STUBS.items():
+        (stubs / name).write_text(f"#!/bin/bash\n{body}\n")
+        (stubs / name).chmod(0o755)
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "activate").write_text("")
+    args = tmp_path / "srun_args"
+    environ = {"PATH": f"{stubs}:{os.environ['PATH']}", "HOME": str(tmp_path),
+               "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node1",
+               "SLURM_JOB_NUM_NODES": "1", "STEM_RECIPE": "recipes/tiny_cpu.yaml",
+               "STEM_OUTPUT": str(tmp_path / "runs"), "STEM_VENV": str(tmp_path / "venv"),
+               "STEM_TEST_ARGS": str(args), **env}
+    proc = subprocess.run(["bash", "-c", f'source "{LAUNCH}"'], cwd=tmp_path, env=environ,
+                          capture_output=True, text=True, timeout=60)
+    return proc, args.read_text().splitlines() if args.exists() else []
+
+
+@pytest.mark.integration  # runs the script
+def test_without_overrides_the_command_line_ends_with_the_recipe_and_save_dir(tmp_path):
+    proc, args = _run_launch(tmp_path, STEM_DATA="  ")
+    assert proc.returncode == 0, proc.stderr
+    tail = args[args.index("megatron_stem.train") + 1:]
+    assert tail == ["--recipe", str(ROOT / "recipes" / "tiny_cpu.yaml"),
+                    f"train.save_dir={tmp_path / 'runs' / 'stem' / 'checkpoints'}"]
+
+
+@pytest.mark.integration
+def test_the_data_cache_is_built_on_the_first_node_before_any_rank_starts(tmp_path):
+    proc, args = _run_launch(tmp_path, STEM_BUILD_DATA_CACHE="1", SLURM_JOB_NUM_NODES="4",
+                             SLURM_GPUS_ON_NODE="8", SLURM_CPUS_ON_NODE="64",
+                             STEM_OVERRIDES="train.steps=3")
+    assert proc.returncode == 0, proc.stderr
+    record = Path(f"{tmp_path / 'srun_args'}")
+    assert Path(f"{record}.order").read_text().split() == ["cache", "torchrun"]
+    cache = Path(f"{record}.cache").read_text().splitlines()
+    recipe = args[args.index("megatron_stem.train") + 1:]
+    assert cache == recipe + ["--ranks", "32", "--workers", "64"]  # the run's own settings
+    # off by default: other sbatch files do not build
+    (tmp_path / "off").mkdir()
+    proc, _ = _run_launch(tmp_path / "off")
+    assert proc.returncode == 0 and not Path(f"{tmp_path / 'off' / 'srun_args'}.cache").exists()
+
+
+@pytest.mark.integration
+def test_the_rendezvous_port_is_per_job_and_outside_the_ephemeral_range(tmp_path):
+    # (job 15000 got port 35000 before: inside the usual 32768-60999)
+    proc, args = _run_launch(tmp_path, SLURM_JOB_ID="15000", STEM_OVERRIDES="train.steps=3")
+    assert proc.returncode == 0, proc.stderr
+    assert args[-1] == "train.steps=3"
+    port = int(re.search(r"rendezvous node1:(\d+)", proc.stdout)[1])
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert not low <= port <= high and 1024 <= port <= 65535
+    assert f"--rdzv-endpoint=node1:{port}" in args
+
+
+# What SLURM sets in the batch script of a GPU job (the local cluster's SLURM 22.05 for
+# --gpus-per-node=8 on 2 nodes: all three), and the forms sites and older SLURMs give.
+EIGHT_GPUS = {
+    "--gpus-per-node=8": dict(SLURM_GPUS_ON_NODE="8", SLURM_GPUS_PER_NODE="8",
+                              SLURM_JOB_GPUS="0,1,2,3,4,5,6,7"),
+    "SLURM_GPUS_ON_NODE": dict(SLURM_GPUS_ON_NODE="8"),
+    "SLURM_JOB_GPUS": dict(SLURM_JOB_GPUS="0,1,2,3,4,5,6,7"),
+    "count": dict(SLURM_GPUS_PER_NODE="8"),
+    "gpu:count": dict(SLURM_GPUS_PER_NODE="gpu:8"),
+    "type:count": dict(SLURM_GPUS_PER_NODE="h100:8"),
+    "gres:type:count": dict(SLURM_GPUS_PER_NODE="gpu:h100:8"),
+    "two types": dict(SLURM_GPUS_PER_NODE="a100:4,v100:4"),
+    "--gpus=16": dict(SLURM_GPUS="16", SLURM_GPUS_ON_NODE="8", SLURM_JOB_GPUS="0,1,2,3,4,5,6,7"),
+    # --exclusive gives a job all of a node's GPUs, whatever --gpus-per-node asked
+    "--exclusive --gpus-per-node=2": dict(SLURM_GPUS_ON_NODE="8", SLURM_GPUS_PER_NODE="2",
+                                          SLURM_JOB_GPUS="0,1,2,3,4,5,6,7"),
+}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("given", EIGHT_GPUS)
+def test_a_gpu_job_runs_one_rank_per_gpu_on_every_node(tmp_path, given):
+    proc, args = _run_launch(tmp_path, SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node[1-2]",
+                             SLURM_JOB_CPUS_PER_NODE="64(x2)", **EIGHT_GPUS[given])
+    assert proc.returncode == 0, proc.stderr
+    assert "--nnodes=2" in args and "--nproc-per-node=8" in args
+    assert "stem: node 0/2 is" in proc.stdout and ": torchrun with 8 rank(s)" in proc.stdout
+    assert "2 node(s) x 8 rank(s) (one per GPU: SLURM_" in proc.stdout
+    assert (tmp_path / "srun_args.threads").read_text().strip() == "8"  # 64 CPUs / 8 ranks
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("env, procs", [({}, 1), ({"SLURM_GPUS_ON_NODE": "0"}, 1),
+                                        ({"SLURM_GPUS_ON_NODE": "8", "STEM_PROCS_PER_NODE": "2"}, 2)])
+def test_a_job_without_gpus_runs_one_rank_and_stem_procs_per_node_wins(tmp_path, env, procs):
+    proc, args = _run_launch(tmp_path, **env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"--nproc-per-node={procs}" in args
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("env, line", [
+    ({"SLURM_GPUS_PER_NODE": "h100"},
+     "SLURM_GPUS_PER_NODE=h100: cannot tell the GPUs per node from it; set STEM_PROCS_PER_NODE"),
+    ({"SLURM_GPUS": "4", "SLURM_GPUS_ON_NODE": "3", "SLURM_JOB_NUM_NODES": "2"},
+     "SLURM_GPUS=4 on 2 node(s), but 3 on this one: the nodes have different numbers of GPUs; "
+     "ask for them with --gpus-per-node"),
+    ({"STEM_PROCS_PER_NODE": "0"}, "STEM_PROCS_PER_NODE: expected a positive integer, got '0'"),
+])
+def test_gpus_that_cannot_be_split_into_ranks_are_one_error_line(tmp_path, env, line):
+    proc, args = _run_launch(tmp_path, **env)
+    assert proc.returncode == 2 and args == []
+    assert proc.stderr.strip().splitlines() == [f"stem: error: {line}"]
+
+
+FAILING_RANKS = """
+import os, pathlib, signal, sys, time
+ready = pathlib.Path(sys.argv[1])
+if os.environ["LOCAL_RANK"] == "0":
+    while not ready.exists():  # rank 1 handles SIGTERM
+        time.sleep(0.05)
+    sys.exit(3)
+def stop(*_):  # as the trainer does: a stop signal ends the step first
+    print("rank 1 got SIGTERM", file=sys.stderr, flush=True)
+    time.sleep(1)
+    sys.exit(1)
+signal.signal(signal.SIGTERM, stop)
+ready.touch()
+time.sleep(60)
+"""
+
+
+@pytest.mark.integration  # runs torchrun
+def test_torchrun_names_a_failed_rank_before_stopping_the_others(tmp_path):
+    """torchrun's own report comes only once the node's other ranks are stopped; by then
+    another node's may have come first and srun killed this one (docs/slurm.md)."""
+    script = tmp_path / "ranks.py"
+    script.write_text(FAILING_RANKS)
+    proc = subprocess.run([sys.executable, str(ROOT / "slurm" / "torchrun.py"), "--standalone",
+                           "--nproc-per-node=2", str(script), str(tmp_path / "ready")],
+                          capture_output=True, text=True,
+                          timeout=120, env=subprocess_env())
+    said = f"stem: {socket.gethostname()}: rank 0 (local rank 0) failed: exit code 3; " \
+           "stopping the node's other ranks"
+    assert proc.returncode == 1 and said in proc.stderr, proc.stderr
+    assert proc.stderr.index(said) < proc.stderr.index("rank 1 got SIGTERM")
+
+
+def test_arrays_that_can_be_empty_expand_safely_under_bash_4_2():
+    text = LAUNCH.read_text()
+    maybe_empty = set(re.findall(r"read -r -a (\w+)", text))
+    assert maybe_empty >= {"_stem_prefixes", "_stem_overrides"}
+    for name in maybe_empty:
+        bare = re.findall(r'(.?)"\$\{' + name + r'\[@\]\}"(.?)', text)
+        guarded = [(before, after) for before, after in bare if (before, after) == ("+", "}")]
+        assert bare == guarded, f"{name}: expand as ${{{name}[@]+\"${{{name}[@]}}\"}}"
+
+
+@pytest.mark.integration
+def test_a_job_runs_its_first_starts_copy_of_the_code_and_its_requeues_reuse_it(tmp_path):
+    """The first start copies the package and launcher into the job's folder and runs that
+    copy (PYTHONPATH, torchrun.py); a requeue runs the same copy, not the checkout."""
+    version = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
+                             capture_output=True, text=True).stdout.strip()
+    proc, _ = _run_launch(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    job = tmp_path / "runs" / "stem" / "jobs" / "4242"
+    code = job / "code"
+    assert (code / "megatron_stem" / "train.py").read_bytes() == \
+        (ROOT / "megatron_stem" / "train.py").read_bytes()
+    assert (code / "VERSION").read_text().strip() == version
+    assert (tmp_path / "srun_args.script").read_text().strip() == f"{code}/slurm/torchrun.py"
+    assert (tmp_path / "srun_args.pythonpath").read_text().strip().split(":")[0] == str(code)
+    assert str(ROOT) not in (tmp_path / "srun_args.pythonpath").read_text().strip().split(":")
+    assert f"stem: code {version} (copied from {ROOT})" in proc.stdout
+    assert f"code: {version} in {code}" in (job / "launch.log").read_text()
+
+    (code / "megatron_stem" / "train.py").write_text("# the job's copy\n")  # the same job,
+    for name in ("bin", "venv"):  # requeued: its copy runs, as it was
+        shutil.rmtree(tmp_path / name)
+    proc, _ = _run_launch(tmp_path, SLURM_RESTART_COUNT="1")
+    assert proc.returncode == 0, proc.stderr
+    assert (code / "megatron_stem" / "train.py").read_text() == "# the job's copy\n"
+    assert (tmp_path / "srun_args.pythonpath").read_text().strip().split(":")[0] == str(code)
+    assert "(the job's snapshot, reused by restart 1)" in proc.stdout
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("image", ["nvcr.io#nvidia/pytorch:24.05-py3", "/images/stem.sqsh"])
+def test_stem_container_runs_the_ranks_in_a_pyxis_container(tmp_path, image):
+    proc, args = _run_launch(tmp_path, STEM_CONTAINER=image, STEM_CONTAINER_MOUNTS="/data")
+    assert proc.returncode == 0, proc.stderr
+    code = tmp_path / "runs" / "stem" / "jobs" / "4242" / "code"
+    srun = (tmp_path / "srun_args.srun").read_text().splitlines()
+    assert srun[-3:] == [f"--container-image={image}",
+                         f"--container-mounts={tmp_path},{code},/data",
+                         f"--container-workdir={tmp_path}"]
+    assert args[-1].startswith("train.save_dir=") and not (tmp_path / "srun_args.apptainer").exists()
+
+
+@pytest.mark.integration
+def test_stem_container_runs_the_ranks_in_an_apptainer_image(tmp_path):
+    proc, args = _run_launch(tmp_path, STEM_CONTAINER="/images/stem.sif")
+    assert proc.returncode == 0, proc.stderr
+    code = tmp_path / "runs" / "stem" / "jobs" / "4242" / "code"
+    called = (tmp_path / "srun_args.apptainer").read_text().split()
+    assert called[:7] == ["exec", "--nv", "--bind", f"{tmp_path},{code}", "--pwd", str(tmp_path),
+                          "/images/stem.sif"]
+    assert called[7:9] == ["python", f"{code}/slurm/torchrun.py"]
+    assert "megatron_stem.train" in args
+    assert not any(line.startswith("--container") for line in
+                   (tmp_path / "srun_args.srun").read_text().splitlines())
+
+
+def test_every_checkpoint_records_the_code_that_saved_it(tmp_path, monkeypatch):
+    """The launcher's snapshot version (STEM_CODE_VERSION), else the checkout's."""
+    from megatron_stem import checkpoint
+    from megatron_stem.config import Recipe
+    from workers.common import tiny_model
+
+    version = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
+                             capture_output=True, text=True).stdout.strip()
+    monkeypatch.delenv("STEM_CODE_VERSION", raising=False)
+    with checkpoint.Writer(tmp_path, 1, Recipe(model=tiny_model())):
+        pass
+    assert (tmp_path / "iter_0000001" / "CODE_VERSION").read_text() == f"{version}\n"
+    monkeypatch.setenv("STEM_CODE_VERSION", "v1.2-3-gabcdef0")
+    with checkpoint.Writer(tmp_path, 2, Recipe(model=tiny_model())):
+        pass
+    assert (tmp_path / "iter_0000002" / "CODE_VERSION").read_text() == "v1.2-3-gabcdef0\n"
+    checkpoint.verify(tmp_path / "iter_0000002")  # part of what COMPLETE vouches for
