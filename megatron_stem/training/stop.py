@@ -43,10 +43,11 @@ def catch_stop_signals() -> None:
 
 
 def end_with_launcher() -> None:
-    """In a rank torchrun started: end it when the launcher dies (`lifetime`). A run
-    started from a shell is left alone: under nohup it outlives its shell, as asked."""
+    """In a rank torchrun started: end it when the launcher dies (`process_lifetime`), or
+    now when it already has. A run started from a shell is left alone: under nohup it
+    outlives its shell, as asked."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        process_lifetime.exit_with_parent(f"rank {os.environ.get('RANK', '?')}", launcher="torch")
+        process_lifetime.exit_with_parent(f"rank {os.environ.get('RANK', '?')}", launched=True)
 
 
 class StopSignal:
