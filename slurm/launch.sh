@@ -163,6 +163,12 @@ _stem_port=${STEM_MASTER_PORT:-$_stem_port}
 # A failed or hung collective aborts the process instead of hanging until the time limit.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+# Every CUDA kernel loaded at start, not at its first launch (CUDA's lazy loading, the
+# default since 12.2): loading a kernel can wait for the kernels running, and a collective's
+# kernel waits for its peers, so a side stream's first launch while an all-gather runs can
+# stall a rank until its peers time out (CUDA guide, "Lazy Loading", concurrent execution).
+# Costs start-up time and device memory for kernels never launched.
+(( _stem_gpus > 0 )) && export CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER}
 # Network selection (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_IB_GID_INDEX, ...) is the site's:
 # set it in STEM_SETUP. CPU threads: the node's CPUs shared by its ranks.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( _stem_cpus / _stem_procs > 0 ? _stem_cpus / _stem_procs : 1 ))}
@@ -257,7 +263,7 @@ _stem_latest() { cat "$_stem_save_dir/latest" 2>/dev/null || echo "none"; }
     echo "container: ${STEM_CONTAINER:-none}"
     echo "python: $(command -v python)"
     echo "command: srun ${_stem_srun_container[*]} ... ${_stem_python[*]} $_stem_code/slurm/torchrun.py ${_stem_torchrun[*]}"
-    env | grep -E '^(STEM_|NCCL_|TORCH_NCCL_|OMP_NUM_THREADS|CUDA_VISIBLE_DEVICES|SLURM_(JOB_|GPUS|CPUS|NNODES|RESTART))' | sort
+    env | grep -E '^(STEM_|NCCL_|TORCH_NCCL_|OMP_NUM_THREADS|CUDA_(VISIBLE_DEVICES|MODULE_LOADING)|SLURM_(JOB_|GPUS|CPUS|NNODES|RESTART))' | sort
 } >>"$_stem_job_dir/launch.log"
 
 stem_log "job $SLURM_JOB_ID (restart $_stem_restart) $(date '+%F %T'): $_stem_nnodes node(s) x $_stem_procs rank(s) ($_stem_procs_from) on $SLURM_JOB_NODELIST, rendezvous $_stem_master:$_stem_port"

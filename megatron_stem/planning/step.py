@@ -29,7 +29,10 @@ what:
 * `next_step` (the code's, `tables.overlap`): the update runs from the next step's start,
   first the rows that step reads (table by table in forward order: a table's first lookup
   waits for its rows), then the rest, which must be done by the next gradient sync (the
-  trainer's log does not wait for it: `tables.stats(wait=False)`).
+  trainer's log does not wait for it: `tables.stats(wait=False)`). Each job's publication
+  is priced as starting when its arithmetic ends; the code issues it from the main thread
+  at the next lookup or before the last backward (tables/overlap.py), later where the
+  arithmetic ends between those points.
 
 Host placement stages each micro-batch's rows one micro-batch ahead: the staging of the
 first micro-batch is exposed, the others only by what exceeds a micro-batch's compute.

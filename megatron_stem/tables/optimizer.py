@@ -172,6 +172,13 @@ class TableOptimizer:
         if self.overlap is not None:
             self.overlap.finish()
 
+    def publish_rest(self) -> None:
+        """An overlapped update (`overlap: next_step`): publish now what the step's lookups
+        have not (the trainer calls it before the step's last backward, which the
+        publication then runs beside; overlap.py)."""
+        if self.overlap is not None:
+            self.overlap.publish_all()
+
     def close(self) -> None:
         try:
             if self.overlap is not None:
@@ -353,20 +360,38 @@ class TableOptimizer:
             if self.layout.update == "dense" else t0.rows
         at = positions_in(rows, needed)
         stage = torch.where(at >= 0, stage_of[at.clamp(min=0)], READY_STAGES)
-        parts = [rows[stage == k] for k in range(READY_STAGES + 1)]
+        # A step of one micro-batch has no rows for its later ones: no jobs for them.
+        kinds = [*range(min(READY_STAGES, len(next_ids))), READY_STAGES]
+        parts = [rows[stage == k] for k in kinds]
+        counts = self._part_counts(parts)
         grad_rows = [positions_in(part, t0.rows) for part in parts]  # (t.rows: the same)
         starts = list(itertools.accumulate((part.numel() for part in parts), initial=0))
-        stages: list[list] = [[] for _ in range(READY_STAGES)]
+        names = STAGE_NAMES + ("other rows",)
+        stages: list[list] = [[] for _ in kinds[:-1]]
         rest = []
         for t in self.tables:
-            for k, what in enumerate(STAGE_NAMES + ("other rows",)):
-                job = self._row_job(t, parts[k], grad_rows[k], clip_coef, lr, starts[k], what)
+            for i, k in enumerate(kinds):
+                job = self._row_job(t, parts[i], grad_rows[i], clip_coef, lr, starts[i],
+                                    names[k], counts[i])
                 if k < READY_STAGES:
-                    stages[k].append((t.param, job))
+                    stages[i].append((t.param, job))
                 else:
                     rest.append(job)
             t.rows = t.grad = None
         self.overlap.launch(stages, rest)
+
+    def _part_counts(self, parts: list[torch.Tensor]) -> list[list[int]]:
+        """For each part of the update, how many rows each rank publishes (one exchange
+        and one host read for them all, here at the launch, rather than one of each per
+        publication in the next step's forward)."""
+        comm = self.overlap.comm
+        if comm.size == 1:
+            return [[p.numel()] for p in parts]
+        mine = torch.tensor([p.numel() for p in parts], device=self.devices.accelerator)
+        gathered = [torch.empty_like(mine) for _ in range(comm.size)]
+        comm.all_gather(gathered, mine)
+        by_rank = torch.stack(gathered).tolist()
+        return [[counts[k] for counts in by_rank] for k in range(len(parts))]
 
     def _next_step_rows(self, next_ids: list[torch.Tensor]) -> tuple[torch.Tensor,
                                                                      torch.Tensor]:
@@ -382,25 +407,28 @@ class TableOptimizer:
             return self.devices.to_accelerator(t, non_blocking=True)
         needed, stage_of = self.partition.shards.needed_by_any(to(ids), self.counters,
                                                                to(stages), READY_STAGES)
-        if self.state_on_host:
-            return self.devices.to_host(needed), self.devices.to_host(stage_of)
+        if self.state_on_host:  # both in one copy
+            return self.devices.to_host(torch.stack([needed, stage_of])).unbind()
         return needed, stage_of
 
     def _row_job(self, t: TableState, rows: torch.Tensor, grad_rows: torch.Tensor,
-                 clip: float, lr: float, start: int, what: str) -> Job:
-        """The update of local rows `rows` and their publication: gradients `t.grad[
-        grad_rows]` x `clip` (-1: an untouched row, zero; `positions_in(rows, t.rows)`);
-        their new values in rows [start, ...) of the table's buffer (none for a table that
-        is its own master)."""
+                 clip: float, lr: float, start: int, what: str, counts: list[int]) -> Job:
+        """The update of local rows `rows` (its arithmetic) and their publication
+        (`counts`: how many rows each rank publishes): gradients `t.grad[grad_rows]` x
+        `clip` (-1: an untouched row, zero; `positions_in(rows, t.rows)`); their new values
+        in rows [start, ...) of the table's buffer (none for a table that is its own
+        master)."""
         grad = t.grad
+        values = self._values(t, rows.numel(), start) if t.separate else None
 
-        def run(comm: Comm) -> None:
-            values = self._values(t, rows.numel(), start) if t.separate else None
+        def compute() -> None:
             self._update_rows(t, rows, grad_rows, grad, clip, lr, values)
-            self.partition.publish(t, rows, values, self.counters, holders=comm)
-        return Job(f"step {self.step_count}, {t.name}: {what}", run, (rows, grad_rows, grad))
 
-    # -- checkpoint ---------------------------------------------------------------------
+        def publish(comm: Comm) -> None:
+            self.partition.publish(t, rows, values, self.counters, holders=comm,
+                                   counts=counts)
+        return Job(f"step {self.step_count}, {t.name}: {what}", compute, publish,
+                   (rows, grad_rows, grad))
 
     # -- checkpoint ---------------------------------------------------------------------
 

@@ -272,14 +272,16 @@ class RowSharded(Partition):
     def dense_rows(self, device) -> torch.Tensor:
         return torch.arange(self.shards.rows, device=device)
 
-    def publish(self, t, local, values, counters, holders: Comm | None = None) -> None:
-        """`holders`: another group over the same ranks (the overlapped update's)."""
+    def publish(self, t, local, values, counters, holders: Comm | None = None,
+                counts: list[int] | None = None) -> None:
+        """`holders`: another group over the same ranks (the overlapped update's);
+        `counts`: how many of `local`'s rows each of them sends, when known."""
         holders = holders or self.holders
         if local is None:
             self.shards.gather_shards(t.param.data, values, holders, counters, self.on_host)
         else:
             self.shards.gather_rows(t.param.data, self.ids_of(local), values, holders,
-                                    counters, self.on_host)
+                                    counters, self.on_host, counts)
 
     def changed_ids(self, local, counters):
         if local is None:

@@ -92,6 +92,8 @@ def train_step(update: Update, microbatches: list[dict], lr: float,
     for i, batch in enumerate(microbatches):
         with timer.phase("forward_backward"):
             loss = _token_mean_loss(engine, batch)
+            if i + 1 == len(microbatches):  # the last step's update beside this backward
+                update.tables.publish_rest()
             engine.backward(loss)
             losses.append(loss.detach())
         if i + 1 < len(microbatches):

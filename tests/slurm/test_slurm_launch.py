@@ -31,13 +31,15 @@ STUBS = {
     # srun's own options (recorded), then the per-node command, run as node 0
     "srun": 'while [[ $1 == --* ]]; do echo "$1" >>"$STEM_TEST_ARGS.srun"; shift; done\n'
             'SLURM_NODEID=0 SLURM_NNODES=$SLURM_JOB_NUM_NODES exec "$@"',
-    # torchrun (slurm/torchrun.py): its arguments, path, threads and PYTHONPATH recorded;
+    # torchrun (slurm/torchrun.py): its arguments, path, threads, PYTHONPATH and CUDA's
+    # module loading recorded;
     # the data cache's build: its arguments; anything else is launch.sh's "can import
     # torch and deepspeed" check
     "python": 'case $1 in *torchrun.py) echo "$1" >"$STEM_TEST_ARGS.script"; shift\n'
               '  printf "%s\\n" "$@" >"$STEM_TEST_ARGS"\n'
               '  echo "$PYTHONPATH" >"$STEM_TEST_ARGS.pythonpath"\n'
-              '  echo "$OMP_NUM_THREADS" >"$STEM_TEST_ARGS.threads"; echo torchrun >>"$STEM_TEST_ARGS.order" ;;\n'
+              '  echo "$OMP_NUM_THREADS" >"$STEM_TEST_ARGS.threads"; echo torchrun >>"$STEM_TEST_ARGS.order"\n'
+              '  echo "${CUDA_MODULE_LOADING-unset}" >"$STEM_TEST_ARGS.module_loading" ;;\n'
               '  *build_data_cache.py) shift; printf "%s\\n" "$@" >"$STEM_TEST_ARGS.cache"\n'
               '  echo cache >>"$STEM_TEST_ARGS.order" ;; esac',
     # Apptainer: its options recorded, then the command after the image, run on the host
@@ -132,6 +134,8 @@ def test_a_gpu_job_runs_one_rank_per_gpu_on_every_node(tmp_path, given):
     assert "stem: node 0/2 is" in proc.stdout and ": torchrun with 8 rank(s)" in proc.stdout
     assert "2 node(s) x 8 rank(s) (one per GPU: SLURM_" in proc.stdout
     assert (tmp_path / "srun_args.threads").read_text().strip() == "8"  # 64 CPUs / 8 ranks
+    # every kernel loaded at start: none loaded lazily while a collective waits for peers
+    assert (tmp_path / "srun_args.module_loading").read_text().strip() == "EAGER"
 
 
 @pytest.mark.integration
@@ -141,6 +145,8 @@ def test_a_job_without_gpus_runs_one_rank_and_stem_procs_per_node_wins(tmp_path,
     proc, args = _run_launch(tmp_path, **env)
     assert proc.returncode == 0, proc.stderr
     assert f"--nproc-per-node={procs}" in args
+    loading = (tmp_path / "srun_args.module_loading").read_text().strip()
+    assert loading == ("EAGER" if env.get("SLURM_GPUS_ON_NODE", "0") != "0" else "unset")
 
 
 @pytest.mark.integration

@@ -7,6 +7,7 @@
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -48,19 +49,27 @@ class StopDuringStartup(VocabOnlyTokenizer):
 
 
 def delay_the_rest(seconds: float) -> None:
-    """`tables.overlap: next_step` runs the rows the next step's first micro-batch reads
-    first, then those of its later micro-batches, then the rest, in the background: hold
-    back all but the first, so the next forward surely runs before them (and the second
-    micro-batch's lookups must wait for their rows)."""
+    """`tables.overlap: next_step` updates the rows the next step's first micro-batch
+    reads first, then those of its later micro-batches, then the rest, in the background:
+    hold back the arithmetic of all but the first, so the next forward surely runs before
+    them (and the second micro-batch's lookups must wait for their rows)."""
     from megatron_stem.tables.overlap import STAGE_NAMES, Overlap
 
-    run = Overlap._run
+    launch = Overlap.launch
 
-    def delayed(self, job):
-        if not job.name.endswith(STAGE_NAMES[0]):
+    def delayed(job):
+        compute = job.compute
+
+        def later():
             time.sleep(seconds)
-        run(self, job)
-    Overlap._run = delayed
+            compute()
+        return job if job.name.endswith(STAGE_NAMES[0]) else \
+            dataclasses.replace(job, compute=later)
+
+    def launch_delayed(self, stages, rest):
+        launch(self, [[(param, delayed(job)) for param, job in stage] for stage in stages],
+               [delayed(job) for job in rest])
+    Overlap.launch = launch_delayed
 
 
 def slow_save(step: int, seconds: int, full_disk_at: int) -> None:
@@ -82,16 +91,46 @@ def slow_save(step: int, seconds: int, full_disk_at: int) -> None:
     background._write_buckets = slow
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
+               "all_to_all", "all_to_all_single", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier",
+               "gather", "gather_object", "scatter", "scatter_object_list", "send", "recv",
+               "isend", "irecv", "batch_isend_irecv", "monitored_barrier",
+               "all_reduce_coalesced", "new_group", "new_subgroups_by_enumeration")
+
+
 def record_collectives() -> list:
-    """Every collective the tables issue, as (communicator, thread, op), in issue order."""
-    from megatron_stem.tables.comm import Comm
+    """Every collective this process issues through torch.distributed (whoever calls it:
+    ours, DeepSpeed's, megatron's), as (thread, op, the group's ranks or "its own" for a
+    group of this rank alone), in issue order; one made of others (`all_gather_object`,
+    `new_subgroups_by_enumeration`) once."""
+    import inspect
 
-    issued, check = [], Comm._check
+    import torch.distributed as dist
 
-    def recorded(self, op, *tensors):
-        issued.append((self.name, threading.current_thread().name, op))
-        check(self, op, *tensors)
-    Comm._check = recorded
+    issued, inside = [], threading.local()
+
+    def recorded(op, collective):
+        signature = inspect.signature(collective)
+
+        def run(*args, **kwargs):
+            if not getattr(inside, "depth", 0):  # the outermost call
+                group = signature.bind_partial(*args, **kwargs).arguments.get("group")
+                ranks = "world" if group is None or not hasattr(group, "size") else \
+                    dist.get_process_group_ranks(group)
+                if ranks == [dist.get_rank()]:
+                    ranks = "its own"  # (the same group on every rank)
+                issued.append((threading.current_thread().name, op, ranks))
+            inside.depth = getattr(inside, "depth", 0) + 1
+            try:
+                return collective(*args, **kwargs)
+            finally:
+                inside.depth -= 1
+        return run
+    for op in COLLECTIVES:
+        setattr(dist, op, recorded(op, getattr(dist, op)))
+        if hasattr(dist.distributed_c10d, op):
+            setattr(dist.distributed_c10d, op, getattr(dist, op))
     return issued
 
 
@@ -134,7 +173,7 @@ def main():
     ap.add_argument("--kill-at", type=int, default=0,
                     help="every rank kills itself (SIGKILL) after this step")
     ap.add_argument("--record-collectives", action="store_true",
-                    help="each rank writes the tables' collectives to OUT.collectives<rank>")
+                    help="each rank writes its collectives to OUT.collectives<rank>")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     data = {"model": {**TINY, "stem_layers": "1/2"},
