@@ -294,7 +294,7 @@ class Comm:
         are valid until the next call (host memory reuses its buffers): read them before."""
         length = tensors[0].shape[0]
         if counts is None:
-            count = torch.tensor([length], device=self.devices.accelerator)
+            count = torch.full((1,), length, device=self.devices.accelerator)
             gathered = [torch.empty_like(count) for _ in range(self.size)]
             self.all_gather(gathered, count)
             counts = torch.cat(gathered).tolist()

@@ -17,7 +17,8 @@ of this rank's optimizer state; `ids`: table rows):
   make_state(name, param)        -> TableState
   sync(ids, grads, counters)     -> (touched local rows this rank updates, sorted; their
                                      fp32 gradients averaged over data parallel; rows
-                                     touched on all ranks), on the accelerator
+                                     touched on all ranks: an int, or a device tensor for
+                                     the step's host read), on the accelerator
   ids_of(local)                  -> their table rows
   dense_rows(device)             -> every local row this rank updates under `dense`
   norm_comm                      -> the ranks holding disjoint rows' gradients (None: all
@@ -261,10 +262,10 @@ class RowSharded(Partition):
         width = grads[0].shape[1]
         local, summed = self.shards.to_owners(ids, torch.cat(grads, 1), counters)
         summed = summed / self.dp.size
-        count = torch.tensor([local.numel()], device=self.devices.accelerator)
+        count = torch.full((1,), local.numel(), device=self.devices.accelerator)
         if self.dp.size > 1:
             self.dp.all_reduce(count)
-        return local, list(summed.split(width, 1)), int(count)
+        return local, list(summed.split(width, 1)), count  # read with the step's values
 
     def ids_of(self, local: torch.Tensor) -> torch.Tensor:
         return self.shards.ids_of(local)

@@ -187,7 +187,9 @@ class RowShards:
         """Send each of `positions` (sorted) to its owner: (the positions this rank
         received, rows sent to each rank, rows received from each rank). `per_position`:
         the values are positions x `per_position` + a smaller tag."""
-        sent = torch.bincount(positions // (self.rows * per_position), minlength=self.size)
+        owners = positions // (self.rows * per_position)  # (a bincount would read its max)
+        sent = torch.zeros(self.size, dtype=owners.dtype, device=owners.device) \
+            .scatter_add_(0, owners, torch.ones_like(owners))
         received = torch.empty_like(sent)
         self.comm.all_to_all(received, sent)
         sizes = torch.cat([sent, received]).tolist()  # what all_to_all takes: one host sync

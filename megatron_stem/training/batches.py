@@ -20,6 +20,7 @@ from megatron_stem.data.prefix_sets import resolve_blend
 from megatron_stem.data.sample_cache import Plan, build, dataset_config
 from megatron_stem.model.documents import document_boundaries
 from megatron_stem.runtime.errors import UserError
+from megatron_stem.tables.comm import mark_host
 from megatron_stem.tables.row_grads import HOST_TOKENS
 
 
@@ -178,7 +179,7 @@ class StepBatches:
 
     def _to_device(self, host: dict) -> dict:
         batch = {key: host[key].to(self.device, non_blocking=True) for key in self.keys}
-        batch[HOST_TOKENS] = host["tokens"]  # the table path's rows, read with no sync
+        batch[HOST_TOKENS] = mark_host(host["tokens"])  # the table path's rows: no sync
         if "documents" in host:
             batch["documents"] = documents_to(host["documents"], self.device)
         return batch

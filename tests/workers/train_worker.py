@@ -17,6 +17,7 @@ import threading
 import time
 
 from common import TINY
+from host_reads import HostReads
 from megatron_stem.config import Recipe, apply_overrides, from_dict
 from megatron_stem.runtime.errors import cli
 from megatron_stem.training.loop import run
@@ -143,11 +144,11 @@ def plant_nan(step: int) -> None:
     take, calls = TableOptimizer._local_row_grads, [0]
 
     def planted(self):
-        ids, grads = take(self)
+        ids, grads, looked_up = take(self)
         calls[0] += 1
         if calls[0] == step and dist.get_rank() == 1:
             grads[0][0, 0] = float("nan")
-        return ids, grads
+        return ids, grads, looked_up
     TableOptimizer._local_row_grads = planted
 
 
@@ -157,7 +158,8 @@ def main():
     ap.add_argument("--data", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--preempt-at", type=int, default=0,
-                    help="rank 0 sends itself SIGUSR1 after this step; -1: during start-up")
+                    help="rank 0 sends itself SIGUSR1 before this step (after the one before "
+                         "it), whose end the run then stops at; -1: during start-up")
     ap.add_argument("--rss", action="store_true",
                     help="each rank writes its peak RSS after every step to OUT.rss<rank>")
     ap.add_argument("--plant-nan", type=int, default=0,
@@ -174,6 +176,9 @@ def main():
                     help="every rank kills itself (SIGKILL) after this step")
     ap.add_argument("--record-collectives", action="store_true",
                     help="each rank writes its collectives to OUT.collectives<rank>")
+    ap.add_argument("--count-host-reads", action="store_true",
+                    help="each rank writes its main thread's reads of the device, step by "
+                         "step, to OUT.reads<rank> (host_reads.py)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     data = {"model": {**TINY, "stem_layers": "1/2"},
@@ -186,10 +191,14 @@ def main():
     recipe = from_dict(Recipe, apply_overrides(data, args.overrides))
 
     peaks = []  # this process's peak RSS (bytes) after each step
+    reads = HostReads() if args.count_host_reads else None
+    reads_by_step = []  # [(kind, site), ...] of each step, from the end of the one before
 
     def on_step(step):
         peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        if step == args.preempt_at and int(os.environ["RANK"]) == 0:
+        if reads is not None:
+            reads_by_step.append(reads.take())
+        if step + 1 == args.preempt_at and int(os.environ["RANK"]) == 0:
             os.kill(os.getpid(), signal.SIGUSR1)
         if step == args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -210,6 +219,9 @@ def main():
         peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         with open(f"{args.out}.rss{os.environ['RANK']}", "w") as f:
             json.dump(peaks, f)
+    if reads is not None:
+        with open(f"{args.out}.reads{os.environ['RANK']}", "w") as f:
+            json.dump(reads_by_step, f)
     if issued is not None:
         with open(f"{args.out}.collectives{os.environ['RANK']}", "w") as f:
             json.dump(issued, f)
