@@ -60,7 +60,7 @@ What a second thread and, on a GPU, side streams take to be right:
   seen the last launch's publications done (the worker waits for their event first);
 * a failed rank must exit: the worker is a daemon thread, and `close` waits for it at most
   `CLOSE_TIMEOUT_S`, then says which job is stuck and raises, so the rank exits non-zero
-  and the launcher stops the job.
+  and the launcher stops the job; `close` issues no collective (its peers may be gone).
 """
 
 from __future__ import annotations
@@ -215,13 +215,13 @@ class Overlap:
         """Whether launched jobs are not all published."""
         return self._published < len(self._launched)
 
-    def publish_for(self, needed: list[int], timeout: Optional[float] = None) -> None:
+    def publish_for(self, needed: list[int]) -> None:
         """Publish, in order, the launched jobs up to the last of `needed` (positions in
         the launch), then the next one in line; the compute stream then waits for the
         publications of `needed` (on a CPU: they are done)."""
         through = min(max(max(needed, default=-1), self._published - 1) + 1,
                       len(self._launched) - 1)
-        self._publish_through(through, timeout)
+        self._publish_through(through)
         for at in needed:
             self.publishing.wait(self._launched[at].published_event)
 
@@ -230,13 +230,10 @@ class Overlap:
         order; the compute stream does not wait for them until `finish`)."""
         self._publish_through(len(self._launched) - 1)
 
-    def _publish_through(self, last: int, timeout: Optional[float] = None) -> None:
+    def _publish_through(self, last: int) -> None:
         while self._published <= last:
             entry = self._launched[self._published]
-            if not entry.computed.wait(timeout):
-                raise RuntimeError(
-                    f"tables: the overlapped update is stuck in {self.running} after "
-                    f"{timeout:.0f} s; this rank exits")
+            entry.computed.wait()
             if entry.error is not None:
                 raise RuntimeError(f"tables: the overlapped update failed in {entry.job.name}"
                                    f": {entry.error}") from entry.error
@@ -246,22 +243,34 @@ class Overlap:
             entry.published_event = self.publishing.mark()
             self._published += 1
 
-    def finish(self, timeout: Optional[float] = None) -> None:
-        """Publish everything launched (waiting for its arithmetic: at most `timeout` s
-        for each job, then a RuntimeError naming the stuck one); re-raises a failure of
-        the background jobs. Afterwards the compute stream waits for all of it."""
+    def finish(self) -> None:
+        """Publish everything launched (after its arithmetic); re-raises a failure of the
+        background jobs. Afterwards the compute stream waits for all of it."""
         try:
-            self._publish_through(len(self._launched) - 1, timeout)
+            self._publish_through(len(self._launched) - 1)
             self._last_published = self.publishing.mark()
             self.streams.join()
             self.publishing.join()
         finally:
-            self._launched, self._published = [], 0
-            for param in self._hooked:
-                param.pending_rows = None
-            self._hooked = []
+            self._forget()
+
+    def _forget(self) -> None:
+        """No launch in progress: the lookups wait for nothing."""
+        self._launched, self._published = [], 0
+        for param in self._hooked:
+            param.pending_rows = None
+        self._hooked = []
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
-        """Wait (at most `timeout` s a job) for the last jobs; the daemon worker ends with
-        the process."""
-        self.finish(timeout)
+        """Wait (at most `timeout` s a job) for the last jobs' arithmetic, and publish none
+        of them: at the run's end nothing reads the tables any more (a save finishes the
+        update first), and after a failure the other ranks may never reach the
+        collectives. The daemon worker ends with the process."""
+        try:
+            for entry in self._launched[self._published:]:
+                if not entry.computed.wait(timeout):
+                    raise RuntimeError(
+                        f"tables: the overlapped update is stuck in {self.running} after "
+                        f"{timeout:.0f} s; this rank exits")
+        finally:
+            self._forget()
