@@ -19,6 +19,14 @@ a crash. A stop is routine under SLURM, so on SignalException this wrapper inste
   trainer then leaves `$STEM_STOP_MARKER.<host>`, which the batch script also reads),
   else 128+signal, as for a process the signal ended.
 
+After a run that ended normally, the node that hosts the store leaves last. Every agent
+waits for the others at torchrun's exit barrier, then closes the rendezvous, both through
+the store; the host's agent passes the barrier as soon as the last agent arrives and would
+exit (taking the store with it) while that agent still waits for its answer, which then
+logs "Error waiting on exit barrier" and a failed rendezvous shutdown on a job that
+succeeded. So each other node's wrapper, once its torchrun is done with the store, counts
+itself done there, and the host's waits for that count (`AGENTS_DONE_WAIT_S` at most).
+
 It also names a rank that fails the moment torchrun sees it (`stem: <host>: rank N (local
 rank i) failed: ...`). torchrun itself names it only after stopping the node's other ranks,
 which can take up to 30 s (they take its SIGTERM for a stop and try to finish their step);
@@ -34,11 +42,14 @@ import sys
 import time
 from pathlib import Path
 
+import torch.distributed.elastic.rendezvous.registry as rendezvous_registry
 from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
 from torch.distributed.run import main
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 STORE_LINGER_S = 5
+AGENTS_DONE_KEY = "megatron_stem/agents_done"
+AGENTS_DONE_WAIT_S = 60  # only a node whose agent died keeps the host waiting that long
 
 
 def _wait_for_children(timeout: float) -> None:
@@ -73,20 +84,63 @@ def _say_failures_at_once(context=SubprocessContext) -> None:
     context._close = say_and_close
 
 
+def _keep_rendezvous(handlers: list, registry=rendezvous_registry) -> None:
+    """Keep the rendezvous handler torchrun makes (and with it the store) in `handlers`,
+    for `_leave_in_order` after torchrun is done with it."""
+    make = registry.get_rendezvous_handler
+
+    def make_and_keep(params):
+        handler = make(params)
+        handlers.append(handler)
+        return handler
+
+    registry.get_rendezvous_handler = make_and_keep
+
+
+def _leave_in_order(handlers: list, hosts_store: bool, wait: float = AGENTS_DONE_WAIT_S
+                    ) -> None:
+    """The other nodes' agents count themselves done in the store; the host's agent waits
+    for all of them (at most `wait` seconds) before its store goes."""
+    store = getattr(handlers[0], "_store", None) if handlers else None
+    nodes = getattr(getattr(handlers[0], "_settings", None), "min_nodes", 1) if handlers else 1
+    if store is None:  # another torch's handler: give the others time, blind
+        if hosts_store:
+            time.sleep(STORE_LINGER_S)
+        return
+    if nodes < 2:
+        return
+    try:
+        if not hosts_store:
+            store.add(AGENTS_DONE_KEY, 1)
+            return
+        deadline = time.monotonic() + wait
+        while store.add(AGENTS_DONE_KEY, 0) < nodes - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except RuntimeError:  # the store is gone already (its host ended): nothing to order
+        pass
+
+
+def _hosts_store(argv: list[str]) -> bool:
+    return any(a.startswith("--rdzv-conf") and "is_host=1" in a for a in argv)
+
+
 def run() -> int:
     _say_failures_at_once()
+    handlers: list = []
+    _keep_rendezvous(handlers)
     try:
         main()
     except SignalException as e:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         _wait_for_children(float(os.environ.get("STEM_SHUTDOWN_TIMEOUT", "600")))
-        if any(a.startswith("--rdzv-conf") and "is_host=1" in a for a in sys.argv[1:]):
+        if _hosts_store(sys.argv[1:]):
             time.sleep(STORE_LINGER_S)
         host = socket.gethostname()
         print(f"stem: {host}: ranks stopped by {e.sigval.name}", file=sys.stderr, flush=True)
         marker = os.environ.get("STEM_STOP_MARKER")
         return 0 if marker and Path(f"{marker}.{host}").is_file() else 128 + int(e.sigval)
+    _leave_in_order(handlers, _hosts_store(sys.argv[1:]))
     return 0
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from support.processes import ROOT, subprocess_env
+from support.processes import ROOT, free_port, subprocess_env
 
 LAUNCH = ROOT / "slurm" / "launch.sh"
 
@@ -189,6 +189,43 @@ def test_torchrun_names_a_failed_rank_before_stopping_the_others(tmp_path):
            "stopping the node's other ranks"
     assert proc.returncode == 1 and said in proc.stderr, proc.stderr
     assert proc.stderr.index(said) < proc.stderr.index("rank 1 got SIGTERM")
+
+
+# Slows the agent's closing of the rendezvous (its last use of the store) by 2 s: without an
+# order, the host's agent has left by then and this agent logs a failed shutdown.
+SLOW_CLOSE = """
+import time
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as d
+close = d.DynamicRendezvousHandler.shutdown
+def slow_close(self):
+    time.sleep(2)
+    return close(self)
+d.DynamicRendezvousHandler.shutdown = slow_close
+"""
+
+
+@pytest.mark.integration  # runs torchrun
+def test_after_a_clean_run_the_store_s_host_leaves_last(tmp_path):
+    """Two nodes' torchruns (on this machine): the one that is not the store's host ends
+    its exit barrier and closes the rendezvous late, and neither logs an error."""
+    script = tmp_path / "rank.py"
+    script.write_text("print('trained', flush=True)\n")
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(SLOW_CLOSE)
+    port = free_port()
+    agents = []
+    for host in (1, 0):
+        env = subprocess_env(**({} if host else {"PYTHONPATH": f"{slow}:{os.environ.get('PYTHONPATH', '')}"}))
+        agents.append(subprocess.Popen(
+            [sys.executable, str(ROOT / "slurm" / "torchrun.py"), "--nnodes=2",
+             "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+             "--rdzv-id=clean", f"--rdzv-conf=is_host={host},read_timeout=60", str(script)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+    outputs = [agent.communicate(timeout=120)[0] for agent in agents]
+    for agent, output in zip(agents, outputs):
+        assert agent.returncode == 0 and "trained" in output, output
+        assert not re.search(r"error|failed|Traceback", output, re.I), output
 
 
 def test_arrays_that_can_be_empty_expand_safely_under_bash_4_2():
