@@ -22,6 +22,7 @@ if __name__ == "__main__":  # a rank: a stop signal during the slow imports belo
 
 import argparse
 
+from megatron_stem.checkpoint.finding import record_stage
 from megatron_stem.config import RecipeSource, load_recipe
 from megatron_stem.planning import hardware
 from megatron_stem.runtime import warning_filters
@@ -74,7 +75,9 @@ def main(argv=None) -> int:
             return preflight.print_and_check(source, target)
         return preflight.check(source, target)
     warning_filters.other_ranks_quiet()
-    result = run(load_recipe(args.recipe, args.overrides))
+    recipe = load_recipe(args.recipe, args.overrides)
+    record_stage(args.recipe, recipe)  # where a next stage's init_from finds this run
+    result = run(recipe)
     return EXIT_REQUEUE if result["preempted"] else 0
 
 

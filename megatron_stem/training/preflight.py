@@ -38,7 +38,7 @@ import numpy as np
 
 from megatron_stem import checkpoint
 from megatron_stem.checkpoint.checkpointer import Checkpointer
-from megatron_stem.checkpoint.finding import finished_step
+from megatron_stem.checkpoint.finding import StagePending, finished_step
 from megatron_stem.config import Recipe, RecipeSource
 from megatron_stem.config.printing import render
 from megatron_stem.config.world import world_problems
@@ -201,9 +201,16 @@ def _tokenizer(recipe: Recipe, headers: dict, found: Findings) -> None:
 
 
 def _checkpoints(recipe: Recipe, found: Findings) -> None:
-    """Where the run would start, as the trainer finds it (`Checkpointer`), checked."""
+    """Where the run would start, as the trainer finds it (`Checkpointer`), checked; a
+    previous stage still to finish is where it will start, not a problem (a chain is
+    checked, and submitted, before its first stage has run)."""
     with found.catch():
-        start = Checkpointer(recipe)
+        try:
+            start = Checkpointer(recipe)
+        except StagePending as e:
+            found.notes.append(f"start: will start from the last checkpoint in {e.save_dir} "
+                               f"when {recipe.train.init_from} finishes ({e.status})")
+            return
         for source in filter(None, (start.resume_from, start.init_from)):
             checkpoint.check_same_shape(checkpoint.read_recipe(source), recipe, source)
         found.notes.append(f"start: {start.origin()}")
