@@ -274,6 +274,10 @@ if (( _stem_stop )); then
 elif (( _stem_rc == 0 )); then
     stem_log "training finished after $_stem_elapsed; latest checkpoint: $(_stem_latest)"
     exit 0
+elif (( _stem_rc == 2 )); then  # a user's mistake, said in one line above (errors.py)
+    stem_log "stopped after $_stem_elapsed by the error above (in the recipe, its files or the" \
+        "environment; --check finds most before a job): fix it and resubmit"
+    exit 2
 else
     stem_log "FAILED after $_stem_elapsed: a training process failed and srun stopped every node (exit code $_stem_rc)." \
         "The first 'stem: <node>: rank N ... failed' line above names the rank that failed first (the others failed in its broken collectives; its Traceback is above too)." \

@@ -27,6 +27,11 @@ logs "Error waiting on exit barrier" and a failed rendezvous shutdown on a job t
 succeeded. So each other node's wrapper, once its torchrun is done with the store, counts
 itself done there, and the host's waits for that count (`AGENTS_DONE_WAIT_S` at most).
 
+A rank that ends with a user's mistake (exit code 2, `megatron_stem/runtime/errors.py`)
+has said it in one line (rank 0), or left it in torchrun's error file (another rank, printed
+here when rank 0 did not fail with it): the wrapper exits 2 after it, without torchrun's
+report and traceback of the failure.
+
 It also names a rank that fails the moment torchrun sees it (`stem: <host>: rank N (local
 rank i) failed: ...`). torchrun itself names it only after stopping the node's other ranks,
 which can take up to 30 s (they take its SIGTERM for a stop and try to finish their step);
@@ -35,6 +40,7 @@ reports first, and srun kills this one before it says anything: the log would na
 victims.
 """
 
+import logging
 import os
 import signal
 import socket
@@ -44,10 +50,13 @@ from pathlib import Path
 
 import torch.distributed.elastic.rendezvous.registry as rendezvous_registry
 from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
-from torch.distributed.run import main
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args
+from torch.distributed.run import run as torchrun
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 STORE_LINGER_S = 5
+USER_ERROR = 2  # a rank's exit code for a user's mistake (megatron_stem/runtime/errors.py)
 AGENTS_DONE_KEY = "megatron_stem/agents_done"
 AGENTS_DONE_WAIT_S = 60  # only a node whose agent died keeps the host waiting that long
 
@@ -71,7 +80,8 @@ def _say_failures_at_once(context=SubprocessContext) -> None:
     host = socket.gethostname()
 
     def say_and_close(self, *args, **kwargs):
-        if getattr(self, "_failures", None) and not getattr(self, "_stem_said", False):
+        failures = getattr(self, "_failures", None)
+        if failures and not _a_user_error(failures) and not getattr(self, "_stem_said", False):
             self._stem_said = True
             for local_rank, failure in sorted(self._failures.items()):
                 how = (f"Signal {-failure.exitcode} ({failure.signal_name()})"
@@ -124,12 +134,48 @@ def _hosts_store(argv: list[str]) -> bool:
     return any(a.startswith("--rdzv-conf") and "is_host=1" in a for a in argv)
 
 
+def _no_report_of_user_errors() -> None:
+    """torchrun's agent logs the first failed rank as an error: not one that said its own
+    mistake (the rank's line is the report)."""
+    def keep(record: logging.LogRecord) -> bool:
+        return not (str(record.msg).startswith("failed (exitcode: %s)") and record.args
+                    and record.args[0] == USER_ERROR)
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(keep)
+
+
+def _a_user_error(failures: dict) -> bool:
+    """Whether the first rank to fail ended with a user's mistake, and the others with it
+    or by the signal torchrun then stops them with."""
+    first = min(failures.values(), key=lambda f: f.timestamp)
+    return first.exitcode == USER_ERROR and all(
+        f.exitcode == USER_ERROR or f.exitcode < 0 for f in failures.values())
+
+
+def _said_user_error(error: ChildFailedError) -> bool:
+    """Whether the ranks failed with a user's mistake (`_a_user_error`); if so, its line is
+    out: rank 0 said it, or the first such rank's, from its error file, is printed here."""
+    if not _a_user_error(error.failures):
+        return False
+    said = {rank: f for rank, f in error.failures.items() if f.exitcode == USER_ERROR}
+    if 0 not in said:
+        first, failure = min(said.items())
+        if Path(failure.error_file).is_file():
+            print(f"error: rank {first}: {failure.message}", file=sys.stderr, flush=True)
+    return True
+
+
 def run() -> int:
     _say_failures_at_once()
+    _no_report_of_user_errors()
     handlers: list = []
     _keep_rendezvous(handlers)
     try:
-        main()
+        torchrun(parse_args(sys.argv[1:]))  # not its `main`, whose @record logs a failure
+    except ChildFailedError as e:
+        if _said_user_error(e):
+            return USER_ERROR
+        raise
     except SignalException as e:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)

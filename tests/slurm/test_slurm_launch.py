@@ -239,6 +239,37 @@ def test_after_a_clean_run_the_store_s_host_leaves_last(tmp_path):
         assert not re.search(r"error|failed|Traceback", output, re.I), output
 
 
+MISTAKEN_RANKS = """
+import os, sys
+from megatron_stem.runtime.errors import UserError, cli
+@cli
+def main():
+    if os.environ["RANK"] in sys.argv[1].split(","):
+        raise UserError(f"data.prefixes: data/x.bin not found (seen by rank {os.environ['RANK']})")
+    return 0
+sys.exit(main())
+"""
+
+
+@pytest.mark.integration  # runs torchrun
+@pytest.mark.parametrize("ranks, said", [
+    ("0,1", "error: data.prefixes: data/x.bin not found (seen by rank 0)"),
+    ("1", "error: rank 1: data.prefixes: data/x.bin not found (seen by rank 1)")])
+def test_a_users_mistake_is_one_line_once_without_torchruns_report(tmp_path, ranks, said):
+    """Every rank meets it: rank 0 says it; one rank alone: its line, from torchrun's error
+    file. No rank's line twice, no failure report, no traceback."""
+    script = tmp_path / "ranks.py"
+    script.write_text(MISTAKEN_RANKS)
+    proc = subprocess.run([sys.executable, str(ROOT / "slurm" / "torchrun.py"), "--standalone",
+                           "--nproc-per-node=2", str(script), ranks],
+                          capture_output=True, text=True, timeout=120,
+                          env=subprocess_env(PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines()
+             if not line.startswith(("W", "I")) or line.startswith("error")]
+    assert lines == [said], proc.stderr
+
+
 def test_arrays_that_can_be_empty_expand_safely_under_bash_4_2():
     text = LAUNCH.read_text()
     maybe_empty = set(re.findall(r"read -r -a (\w+)", text))
