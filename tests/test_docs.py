@@ -447,3 +447,20 @@ def test_the_readme_budget_is_what_check_prints():
         row = re.search(rf"^\| \d [^|]+\|[^\n]*`stem_1b_{stage}` \|[^\n]*$", readme, re.M)
         assert row and f"| {days:.1f} days, {hours:,.0f} GPU-hours" in row[0], \
             f"README: stem_1b_{stage} now {days:.1f} days, {hours:,.0f} GPU-hours"
+
+
+TOOLS = sorted(p.stem for p in (ROOT / "tools").glob("*.py"))
+
+
+@pytest.mark.parametrize("name", TOOLS)
+def test_a_tools_help_says_whole_sentences(name, capsys):
+    """`--help`'s description is the tool's docstring cut at a paragraph, never mid-sentence
+    (`__doc__.splitlines()[0]` cut tools/from_hf.py's after "such as")."""
+    from support.processes import tool
+
+    with pytest.raises(SystemExit) as end:
+        tool(name)(["--help"])
+    assert end.value.code == 0
+    text = capsys.readouterr().out
+    description = text.split("\n\n")[1].strip()
+    assert description[-1] in ".:)", f"tools/{name}.py --help: {description!r}"
