@@ -4,7 +4,7 @@ shared cache, loaded by every rank without waiting and without per-document memo
 megatron's `BlendedMegatronDatasetBuilder` builds the sample indices on rank 0 while every
 other rank waits in a barrier, and gives every rank an int32 `arange` of each split's
 documents that it keeps for the whole run: at 3.5 billion documents, tens of minutes of
-rank 0 against a 30-minute process-group timeout, and 14 GB per rank (docs/data.md,
+rank 0 against the process groups' timeout (`parallel.timeout_minutes`, 30), and 14 GB per rank (docs/data.md,
 "Training data at scale"). Here the same datasets (megatron's `GPTDataset` and `BlendedDataset`, the same
 document ranges, sample counts and configuration, hence the same cache files and the same
 samples) are:

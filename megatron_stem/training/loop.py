@@ -157,7 +157,8 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     check_validation_sets(recipe.data, recipe.model.vocab_size)
     check_wandb_installed(recipe)
     tokenizer = tokenizer or load_tokenizer(recipe)
-    init_distributed(recipe.parallel, seed=train.seed)
+    init_distributed(recipe.parallel, seed=train.seed,
+                     timeout_minutes=recipe.parallel.timeout_minutes)
     tables = batches = None
     try:
         check_world(recipe, dist.get_world_size(), local_world_size())

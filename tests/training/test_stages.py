@@ -180,7 +180,7 @@ def _job_of_stage_one(tmp_path, monkeypatch, save_dir, *overrides, steps_done=(5
 
 
 def test_stage_two_finds_stage_ones_checkpoints_under_stem_save_dir(tmp_path, monkeypatch,
-                                                                    capsys):
+                                                                    capsys, in_process_trainer):
     """A job of stage 1 with STEM_SAVE_DIR (or STEM_OUTPUT, another job name) saves
     elsewhere than its recipe says; `train.init_from: stage1.yaml` still finds it."""
     from megatron_stem.checkpoint.finding import stage_start
@@ -204,7 +204,7 @@ def test_stage_two_finds_stage_ones_checkpoints_under_stem_save_dir(tmp_path, mo
 
 
 def test_check_of_stage_two_before_stage_one_finished_says_where_it_will_start(
-        tmp_path, monkeypatch, capsys):
+        tmp_path, monkeypatch, capsys, in_process_trainer):
     from megatron_stem.config import TrainConfig, to_dict
     from megatron_stem.train import main
 
