@@ -336,7 +336,7 @@ def test_readme_links_resolve_and_list_every_doc():
 # --- the step planner's figures, where the docs quote them -------------------------------
 
 PLAN_1B = ("--recipe", "recipes/stem_1b.yaml", "--baseline", "recipes/dense_1b.yaml",
-           "--nodes", "4", "--gpus-per-node", "8", "--hardware", "h200")
+           "--nodes", "4", "--gpus-per-node", "8", "--hardware", "h200", "--details")
 PLAN_1B_LONG = ("--recipe", "recipes/stem_1b_long.yaml", "--baseline",
                 "recipes/dense_1b_long.yaml", *PLAN_1B[4:])
 OPTION = r"\w+/\w+/\w+/\w+/\w+"

@@ -479,7 +479,8 @@ def test_selective_recompute_frees_its_modules_and_pays_their_forward(modules, f
 
 def test_plan_step_prints_the_memory_and_ends_with_the_step_time_line(capsys):
     assert tool_main("tools/plan_step.py")(["--recipe", "recipes/stem_1b_long.yaml", "--baseline",
-                      "recipes/dense_1b_long.yaml", "--nodes", "4", "--hardware", "h200"]) == 0
+                      "recipes/dense_1b_long.yaml", "--nodes", "4", "--hardware", "h200",
+                      "--details"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[-1].startswith("predicted step time STEM ")
     titles = [i for i, line in enumerate(out) if line.startswith("memory per GPU")]
