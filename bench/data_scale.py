@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import multiprocessing
 import os
 import re
@@ -44,7 +43,6 @@ from megatron_stem.data import sample_cache  # noqa: E402
 
 MEAN_TOKENS = 1114  # OLMo-Mix-1124: ~3.9T tokens in ~3.5B documents
 SHARE = 0.26  # the 1T stage reads ~26% of an epoch of OLMo-Mix
-PREFIX_TOKENS = 20e9  # preprocess_data.py's --prefix-max-tokens default
 TOKENIZER = SimpleNamespace(eod=0, pad=-1, vocab_size=128256,
                             unique_identifiers={"class": "data-scale-bench"})
 
@@ -250,16 +248,11 @@ def predict(fits: dict, cpus: int, batch_seconds: float) -> list[str]:
             continue
         ranks = sbatch_ranks(path.stem) or 32
         seq, samples = r.model.seq_length, r.train.steps * r.train.global_batch_size
-        weights = sum(s.weight for s in known)
         tasks, blend_samples, cache = [], samples, 0.0
-        for s in known:
-            prefixes = max(1, math.ceil(s.tokens / PREFIX_TOKENS))
-            epoch = s.tokens / seq
-            wanted = samples * s.weight / weights
-            epochs = max(1, math.ceil(wanted / epoch))
-            docs, smp = epochs * s.documents / prefixes, epochs * epoch / prefixes
-            tasks += [(sec_doc * docs + sec_sample * smp, peak_doc * docs + peak_sample * smp)] * prefixes
-            cache += prefixes * (cache_doc * docs + cache_sample * smp)
+        for share in sample_cache.source_shares(known, seq, samples):
+            docs, smp = share.documents, share.samples
+            tasks += [(sec_doc * docs + sec_sample * smp, peak_doc * docs + peak_sample * smp)] * share.prefixes
+            cache += share.prefixes * (cache_doc * docs + cache_sample * smp)
         cache += cache_sample * blend_samples
         work = sum(t for t, _ in tasks)
         build = max(work / cpus, max(t for t, _ in tasks)) + sec_sample * blend_samples

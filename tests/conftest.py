@@ -33,6 +33,18 @@ def world1():
     destroy_distributed()
 
 
+@pytest.fixture
+def in_process_trainer():
+    """For a test that calls the trainer in this process: its stop handler takes SIGUSR1
+    and SIGTERM (training/stop.py), which this process gets back after the test."""
+    import signal
+
+    kept = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    yield
+    for s, handler in kept.items():
+        signal.signal(s, handler)
+
+
 # --- the trainer's end-to-end runs (tests/training/, tests/checkpoint/test_resume.py) ---
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ shared cache, loaded by every rank without waiting and without per-document memo
 megatron's `BlendedMegatronDatasetBuilder` builds the sample indices on rank 0 while every
 other rank waits in a barrier, and gives every rank an int32 `arange` of each split's
 documents that it keeps for the whole run: at 3.5 billion documents, tens of minutes of
-rank 0 against a 30-minute process-group timeout, and 14 GB per rank (docs/data.md,
+rank 0 against the process groups' timeout (`parallel.timeout_minutes`, 30), and 14 GB per rank (docs/data.md,
 "Training data at scale"). Here the same datasets (megatron's `GPTDataset` and `BlendedDataset`, the same
 document ranges, sample counts and configuration, hence the same cache files and the same
 samples) are:
@@ -38,7 +38,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import _get_size_pe
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.utils import Split, normalize
 
-from megatron_stem.data.prefix_sets import Prefix
+from megatron_stem.data.prefix_sets import DEFAULT_MAX_TOKENS, Prefix
 from megatron_stem.runtime.errors import UserError
 
 SPLITS = list(Split)  # train, valid, test
@@ -47,6 +47,9 @@ SPLITS = list(Split)  # train, valid, test
 # build_sample_idx, the shuffle index, the blend's indices), writes included.
 SECONDS_PER_DOCUMENT = 0.18e-6
 SECONDS_PER_SAMPLE = 0.18e-6
+# Bytes of the cache per element, fitted by bench/data_scale.py the same way.
+CACHE_BYTES_PER_DOCUMENT = 4.0
+CACHE_BYTES_PER_SAMPLE = 11.6
 # A missing cache predicted to take longer than this on rank 0 (while the other ranks wait
 # in a barrier, under the process groups' timeout) is refused: build it ahead of time.
 BUILD_AT_START_LIMIT_S = 300.0
@@ -148,6 +151,39 @@ class Plan:
                 samples += epochs * epoch_samples
         blend_samples = sum(s or 0 for s in self.sizes) if self.blended else 0
         return SECONDS_PER_DOCUMENT * documents + SECONDS_PER_SAMPLE * (samples + blend_samples)
+
+
+@dataclass(frozen=True)
+class SourceShare:
+    """One data source's part of a stage's sample indices: as many prefixes of
+    `documents` documents each, every one of whose index holds `samples` samples (epochs
+    included: a source read more than once is indexed that many times)."""
+
+    prefixes: int
+    documents: float
+    samples: float
+
+
+def source_shares(sources, seq_length: int, samples: int) -> list[SourceShare]:
+    """The shares of `sources` (a data recipe's, each with its `tokens`, `documents` and
+    `weight`) in a stage of `samples` sequences of `seq_length`."""
+    weights = sum(s.weight for s in sources)
+    shares = []
+    for s in sources:
+        prefixes = max(1, math.ceil(s.tokens / DEFAULT_MAX_TOKENS))  # preprocessing's cut
+        epoch = s.tokens / seq_length
+        epochs = max(1, math.ceil(samples * s.weight / weights / epoch))
+        shares.append(SourceShare(prefixes, epochs * s.documents / prefixes,
+                                  epochs * epoch / prefixes))
+    return shares
+
+
+def predicted_bytes(shares: list[SourceShare], samples: int) -> float:
+    """The cache of a stage of `samples` samples read from `shares`: every prefix's
+    indices, then the blend's."""
+    return sum(s.prefixes * (CACHE_BYTES_PER_DOCUMENT * s.documents +
+                             CACHE_BYTES_PER_SAMPLE * s.samples) for s in shares) + \
+        CACHE_BYTES_PER_SAMPLE * samples
 
 
 def _read_randomly(low) -> None:

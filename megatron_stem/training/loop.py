@@ -22,11 +22,17 @@ from megatron.core import parallel_state as ps
 from megatron_stem.checkpoint.checkpointer import Checkpointer
 from megatron_stem.checkpoint.finding import finished_step
 from megatron_stem.config import Recipe
+from megatron_stem.config.world import check_world
 from megatron_stem.data.sample_cache import prepare
 from megatron_stem.evaluation.in_loop import DownstreamEval
 from megatron_stem.model import build_model
 from megatron_stem.runtime.host_read import HostRead
-from megatron_stem.runtime.parallel import destroy_distributed, device, init_distributed
+from megatron_stem.runtime.parallel import (
+    destroy_distributed,
+    device,
+    init_distributed,
+    local_world_size,
+)
 from megatron_stem.training.batches import (
     Prefetcher,
     Samples,
@@ -156,9 +162,11 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     check_validation_sets(recipe.data, recipe.model.vocab_size)
     check_wandb_installed(recipe)
     tokenizer = tokenizer or load_tokenizer(recipe)
-    init_distributed(recipe.parallel, seed=train.seed)
+    init_distributed(recipe.parallel, seed=train.seed,
+                     timeout_minutes=recipe.parallel.timeout_minutes)
     tables = batches = None
     try:
+        check_world(recipe, dist.get_world_size(), local_world_size())
         check_ranks(recipe.profile, dist.get_world_size())
         downstream = DownstreamEval.start(recipe, tokenizer)  # None: lm_eval.interval 0
         checkpointer = Checkpointer(recipe)  # where the run starts; says any fallback
