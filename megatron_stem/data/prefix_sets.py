@@ -275,36 +275,39 @@ def _single(prefix: str, field: str) -> Prefix:
 
 def resolve(entry: str, field: str, vocab_size: Optional[int] = None) -> list[Prefix]:
     """The prefixes of one data entry, each checked to exist, to fit megatron's ids (the
-    count its `.idx` header gives) and to be whole (`checks.check_token_files`: sizes, and
-    with `vocab_size` a sample of its ids, and for a prefix set every id: the largest, which
-    its manifest records)."""
-    if not is_prefix_set(entry):
+    count its `.idx` header gives) and to be whole (`checks.check_token_files`: sizes); with
+    `vocab_size`, its ids too: a prefix set's every id (the largest, which its manifest
+    records), else a sample."""
+    in_set = is_prefix_set(entry)
+    if not in_set:
         prefixes = [_single(entry, field)]
     else:
         listed = read_manifest(entry, field)
         prefixes = [Prefix(p.path, _single(p.path, f"{field} ({entry}/{MANIFEST})").documents,
                            p.tokens, p.max_token_id) for p in listed]
     for prefix in prefixes:
-        check_documents(prefix, field)
+        check_documents(prefix, field, in_set)
         if vocab_size is not None and (prefix.max_token_id or -1) >= vocab_size:
             raise UserError(f"{field}: token id {prefix.max_token_id} in "
                             f"{bin_path(prefix.path)} is >= model.vocab_size {vocab_size} "
                             f"(the largest, from {entry}/{MANIFEST}): data made with another "
                             "tokenizer?")
+        sample = vocab_size if prefix.max_token_id is None else None
         try:
-            check_token_files(prefix.path, vocab_size)
+            check_token_files(prefix.path, sample)
         except UserError as e:
             raise UserError(f"{field}: {e}") from None
     return prefixes
 
 
-def check_documents(prefix: Prefix, field: str) -> None:
+def check_documents(prefix: Prefix, field: str, in_set: bool = False) -> None:
     if prefix.documents > MAX_DOCUMENTS:
+        remedy = ("preprocess it again with a lower --prefix-max-documents" if in_set else
+                  "write the corpus as a prefix set instead (preprocess_data.py without "
+                  "--single-prefix, --prefix-max-documents) and name its folder")
         raise UserError(
             f"{field}: {prefix.path} holds {prefix.documents:,} documents, more than "
-            f"megatron-core's int32 document ids allow ({MAX_DOCUMENTS:,}); write the corpus "
-            "as a prefix set instead (preprocess_data.py without --single-prefix, "
-            "--prefix-max-documents) and name its folder")
+            f"megatron-core's int32 document ids allow ({MAX_DOCUMENTS:,}); {remedy}")
 
 
 def resolve_blend(entries: list[str], weights: Optional[list[float]],
