@@ -109,14 +109,14 @@ def load_datasets(plans: dict[Optional[str], Plan], split_validates: bool
                   ) -> tuple[object, dict[Optional[str], object]]:
     """(train dataset, {None: the split's validation if any, name: each set's}) from a
     ready cache."""
-    train, valid, _ = plans[None].datasets(deferred=True)
+    train, valid, _ = plans[None].datasets()
     if train is None or (split_validates and valid is None):
         raise UserError(f"data.split: {plans[None].config.split!r} leaves no documents for "
                         "training or validation; give both a share")
     sets = {None: valid} if split_validates else {}
     for name, plan in plans.items():
         if name is not None:
-            sets[name] = plan.datasets(deferred=True)[Split.valid.value]
+            sets[name] = plan.datasets()[Split.valid.value]
     return train, sets
 
 
@@ -124,7 +124,7 @@ def open_datasets(recipe: Recipe, tokenizer, samples: Samples):
     """(train, validation sets) of a recipe in one process, its cache built where missing:
     for tools and tests outside a run."""
     run_plans = plans(recipe, tokenizer, samples)
-    build([p for p in run_plans.values() if not p.ready()])
+    build(list(run_plans.values()))
     return load_datasets(run_plans, recipe.data.split_validates)
 
 
@@ -148,7 +148,7 @@ class StepBatches:
         self.dataset, self.mbs, self.gbs = dataset, micro_batch_size, global_batch_size
         self.per_rank = global_batch_size // dp_size
         self.dp_rank, self.device = dp_rank, device
-        self.samples = len(dataset)  # once: a deferred dataset's length reads its lengths
+        self.samples = len(dataset)
         config = dataset.config  # what the dataset's samples hold
         self.keys = ("tokens", "labels", "loss_mask") + (
             ("position_ids",) if config.reset_position_ids else ())
