@@ -5,6 +5,7 @@ built once and loaded with no per-document memory, batches read ahead."""
 import contextlib
 import gc
 import json
+import math
 import multiprocessing
 import os
 import struct
@@ -253,6 +254,25 @@ def test_a_start_builds_only_the_indices_it_lacks(tmp_path, monkeypatch, capsys)
     theirs = megatron_datasets(r, [400, 16, 0], tmp_path, blend=(
         [str(tmp_path / "p0"), str(tmp_path / "p1")], [1.0, 2.0]), split="98,2,0")[1]
     assert samples(sets[None], 16) == samples(theirs, 16)
+
+
+@pytest.mark.integration  # the trainer on 1 and 2 ranks
+def test_a_run_on_another_rank_count_builds_its_validation_indices_and_trains(train, tmp_path):
+    """A run on 2 ranks after one on 1 lacks only its validation indices (its validation
+    batches are twice as many): with a stand-in cost that puts the whole cache past the
+    limit (400 documents at a second each), its start builds them and it trains; a run
+    without the cache is refused, before it builds its model."""
+    cache, stand_in = tmp_path / "cache", ("--cost-per-document", "1", "--say-model-built")
+    train(1, f"data.cache_dir={cache}", name="one_rank")
+    refused = train(2, f"data.cache_dir={tmp_path / 'empty'}", worker=stand_in, exit_code=1,
+                    name="refused")
+    assert "error: data.cache_dir: the sample indices of this run's data (400 documents in 1 " \
+           "prefixes) are not in " in refused["log"]
+    assert "model built" not in refused["log"]
+    two = train(2, f"data.cache_dir={cache}", worker=stand_in, name="two_ranks")
+    assert f"data cache: building 1 missing index(es) in {cache}" in two["log"]
+    assert two["log"].count("model built") == 2 and len(two["losses"]) == 6
+    assert all(math.isfinite(loss) for loss in two["losses"] + two["valid"])
 
 
 def test_a_whole_cache_is_read_by_every_rank_at_once(tmp_path, monkeypatch):
