@@ -15,7 +15,8 @@
    - A sampled dataset leaves the hot set; its error, one lower, and its weight join the
      others'.
    - When the bound cannot tell, the hot set is chosen again; when even a fresh one cannot
-     (errors equal to the last bit, as with equal weights), every dataset is compared.
+     (more errors equal to the last bit than a hot set holds, as with many equal weights),
+     every dataset is compared, for a number of samples that doubles while that lasts.
 
    The comparisons that pick a sample's dataset are megatron's own, on the same doubles;
    the bound, with a margin above the rounding of every error it covers, only decides which
@@ -39,7 +40,7 @@ typedef struct {
     double hot_w[HOT_MAX], hot_c[HOT_MAX], hot_e[HOT_MAX];
     int32_t hot_id[HOT_MAX], hot_size, alive;  /* hot_size: entries used, HOT_MAX at most */
     double theta, wmax, spread;
-    int64_t chosen_at;
+    int64_t chosen_at, compare_all_until, backoff;
 } Blend;
 
 static inline double sample_double(int64_t s) { return s < 1 ? 1.0 : (double)s; }
@@ -132,23 +133,30 @@ static int32_t hot_best(Blend *b, double sd, double *best) {
 /* The dataset of sample s, and its hot entry (-1: not hot). */
 static int32_t pick(Blend *b, int64_t s, int32_t *entry) {
     double sd = sample_double(s), best;
-    if (b->alive == 0) choose_hot(b, s);
-    for (;;) {
-        if (b->alive > 0) {
-            int32_t at = hot_best(b, sd, &best);
-            double others = b->theta + b->wmax * (double)(s - b->chosen_at) + 4 * b->margin;
-            if (best > others) {
-                *entry = at;
-                return b->hot_id[at];
+    if (s >= b->compare_all_until) {
+        if (b->alive == 0) choose_hot(b, s);
+        for (;;) {
+            if (b->alive > 0) {
+                int32_t at = hot_best(b, sd, &best);
+                double others = b->theta + b->wmax * (double)(s - b->chosen_at) + 4 * b->margin;
+                if (best > others) {
+                    if (b->chosen_at == s) b->backoff = 1;
+                    *entry = at;
+                    return b->hot_id[at];
+                }
             }
+            if (b->chosen_at == s) break;
+            choose_hot(b, s);
         }
-        if (b->chosen_at == s) break;
-        choose_hot(b, s);
+        /* Not even a fresh hot set can tell: compare every dataset for a while (doubling
+           while it lasts), instead of choosing a hot set at every sample. */
+        b->compare_all_until = s + b->backoff;
+        b->backoff = b->backoff < 4096 ? 2 * b->backoff : b->backoff;
     }
-    double top = errors(b, sd);  /* ties at the top: every dataset, megatron's way */
+    double top = errors(b, sd);  /* megatron's way: every dataset */
     int32_t i = 0;
     while (b->e[i] != top) i++;
-    b->alive = 0;  /* the winner may be hot or not: a new hot set next sample */
+    b->alive = 0;  /* the winner may be hot or not: a new hot set when next chosen */
     *entry = -1;
     return i;
 }
@@ -183,6 +191,7 @@ int stem_blend(const double *weights, int32_t n, const int64_t *caps, int64_t st
     b.n = n;
     b.caps = caps;
     b.spread = 0.125;
+    b.backoff = 1;
     b.hot_size = n < HOT_MAX ? (n + 3) / 4 * 4 : HOT_MAX;
     b.w = malloc(sizeof(double) * n);
     b.c = malloc(sizeof(double) * n);
