@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from megatron_stem.data.indexed import bin_path, idx_path, read_header
+from megatron_stem.data.indexed import IndexHeader, bin_path, idx_path, read_header
 from megatron_stem.runtime import page_cache
 from megatron_stem.runtime.errors import UserError
 
@@ -41,12 +41,13 @@ def sizes_text(got: int, wanted: int) -> tuple[str, str]:
     return size_text(got), size_text(wanted)
 
 
-def check_token_files(prefix: str, vocab_size: Optional[int] = None) -> None:
+def check_token_files(prefix: str, vocab_size: Optional[int] = None,
+                      header: Optional[IndexHeader] = None) -> None:
     """Refuse, in one line naming the file, a `.bin/.idx` pair that cannot be read whole:
     an `.idx` that is not one, or cut short; a `.bin` that is empty, shorter or longer than
     its `.idx` says (truncated, or the `.idx` of another prefix); with `vocab_size`, a
-    sampled token id >= it."""
-    header = read_header(idx_path(prefix))
+    sampled token id >= it. `header`: the `.idx`'s, when already read."""
+    header = header or read_header(idx_path(prefix))
     idx_bytes = os.path.getsize(idx_path(prefix))
     wanted = header.documents_offset + 8 * header.documents
     if idx_bytes != wanted:

@@ -43,7 +43,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import Split, normalize
 
 from megatron_stem.data import blend
-from megatron_stem.data.indexed import idx_path, read_header, tokens_between
+from megatron_stem.data.indexed import IndexHeader, idx_path, read_header, tokens_between
 from megatron_stem.data.prefix_sets import Prefix
 from megatron_stem.runtime import file_locks
 from megatron_stem.runtime.errors import UserError
@@ -95,8 +95,12 @@ class Plan:
             self.per_prefix = [self.sizes]
         else:  # one epoch of each, blended by their sizes
             self.per_prefix = [[None] * len(SPLITS) for _ in self.prefixes]
+        self._deferred = dataclasses.replace(self.config, defer_npy_index_mmap=True)
+        self._headers: dict[int, IndexHeader] = {}
         self._indexed: dict[int, IndexedDataset] = {}
         self._tokens: dict[tuple[int, int], int] = {}
+        self._made: dict[tuple[int, int], GPTDataset] = {}  # deferred, by (prefix, split)
+        self._top: Optional[list] = None
 
     @property
     def blended(self) -> bool:
@@ -110,12 +114,14 @@ class Plan:
 
     def datasets(self) -> list:
         """The top-level dataset of each split (None where not read), as megatron's builder
-        makes them, deferred: nothing is read until a sample is (the cache must be ready)."""
-        prefix_sets = [self.prefix_datasets(j) for j in range(len(self.prefixes))]
-        if not self.blended:
-            return prefix_sets[0]
-        return [self._blend(i, [d[i] for d in prefix_sets]) if i in self.read_splits else None
+        makes them, deferred: nothing is read until a sample is (the cache must be ready).
+        Made once per plan."""
+        if self._top is None:
+            prefix_sets = [self.prefix_datasets(j) for j in range(len(self.prefixes))]
+            self._top = prefix_sets[0] if not self.blended else [
+                self._blend(i, [d[i] for d in prefix_sets]) if i in self.read_splits else None
                 for i in range(len(SPLITS))]
+        return self._top
 
     def prefix_datasets(self, j: int) -> list:
         """Prefix `j`'s deferred dataset of each split (None where not read)."""
@@ -123,21 +129,22 @@ class Plan:
                 for i in range(len(SPLITS))]
 
     def _dataset(self, j: int, i: int, building_in: Optional[str] = None) -> GPTDataset:
-        """Prefix j's dataset of split i: deferred, or (`building_in`: a folder) built there
-        by megatron from an array of the split's document ids."""
+        """Prefix j's dataset of split i: deferred (made once per plan), or (`building_in`:
+        a folder) built there by megatron from an array of the split's document ids."""
         begin, end = self._documents(j, i)
-        if building_in is None:
-            config = dataclasses.replace(self.config, defer_npy_index_mmap=True)
-            indices = slice(begin, end)  # read in place (megatron's builder: an int32 array)
-        else:
+        if building_in is not None:
             config = dataclasses.replace(self.config, path_to_cache=building_in)
-            indices = np.arange(begin, end, dtype=np.int32)
-        dataset = GPTDataset(self._indexed_dataset(j), self.prefixes[j].path, indices,
-                             self.per_prefix[j][i], SPLITS[i], config)
-        if building_in is None:
+            return GPTDataset(self._indexed_dataset(j), self.prefixes[j].path,
+                              np.arange(begin, end, dtype=np.int32), self.per_prefix[j][i],
+                              SPLITS[i], config)
+        if (j, i) not in self._made:
+            dataset = GPTDataset(self._indexed_dataset(j), self.prefixes[j].path,
+                                 slice(begin, end),  # read in place, not an int32 array
+                                 self.per_prefix[j][i], SPLITS[i], self._deferred)
             _given_tokens(dataset, self.tokens(j, i))
             _map_indices_at_first_read(dataset, _GPT_INDICES)
-        return dataset
+            self._made[j, i] = dataset
+        return self._made[j, i]
 
     def _blend(self, i: int, members: list) -> BlendedDataset:
         if self.weights is not None and self.sizes[i] is not None:
@@ -145,8 +152,7 @@ class Plan:
         else:  # by size, as megatron does without weights
             weights = [len(d) for d in members]
             size = None if self.sizes[i] is None else min(self.sizes[i], sum(weights))
-        config = dataclasses.replace(self.config, defer_npy_index_mmap=True)
-        dataset = BlendedDataset(members, weights, size, config)
+        dataset = BlendedDataset(members, weights, size, self._deferred)
         _map_indices_at_first_read(dataset, _BLEND_INDICES)
         return dataset
 
@@ -154,8 +160,7 @@ class Plan:
         """Prefix j's `.bin/.idx`, opened once per plan from its header alone (megatron's
         fast cache load: nothing else read), mapped for random reads."""
         if j not in self._indexed:
-            path = self.prefixes[j].path
-            header = read_header(idx_path(path))
+            path, header = self.prefixes[j].path, self._header(j)
             indexed = IndexedDataset(path, mmap=self.config.mmap_bin_files,
                                      fast_cache_load=True,
                                      sequences_per_dataset=(header.sequences, header.documents),
@@ -163,6 +168,11 @@ class Plan:
             _read_randomly(indexed)
             self._indexed[j] = indexed
         return self._indexed[j]
+
+    def _header(self, j: int) -> IndexHeader:
+        if j not in self._headers:
+            self._headers[j] = read_header(idx_path(self.prefixes[j].path))
+        return self._headers[j]
 
     def _documents(self, j: int, i: int) -> tuple[int, int]:
         """Prefix j's documents of split i, [begin, end), as megatron's bookends cut them."""
@@ -173,8 +183,7 @@ class Plan:
     def tokens(self, j: int, i: int) -> int:
         """The tokens of prefix j's documents of split i: two `.idx` pointers, not a sum."""
         if (j, i) not in self._tokens:
-            header = read_header(idx_path(self.prefixes[j].path))
-            self._tokens[j, i] = tokens_between(self.prefixes[j].path, header,
+            self._tokens[j, i] = tokens_between(self.prefixes[j].path, self._header(j),
                                                 *self._documents(j, i))
         return self._tokens[j, i]
 
