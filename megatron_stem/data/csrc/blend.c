@@ -66,22 +66,6 @@ static int32_t at_least(const Blend *b, double cut) {
     return count;
 }
 
-/* The largest error of those at least `cut` (hot: `hot` 1) or below it (hot 0), and the
-   largest weight among them. */
-static double largest(const Blend *b, double cut, int hot, double *wmax) {
-    const double *e = b->e, *w = b->w;
-    double top = -INFINITY, wtop = 0.0;
-    int32_t n = b->n;
-#pragma omp simd reduction(max : top, wtop)
-    for (int32_t k = 0; k < n; k++) {
-        int in = (e[k] >= cut) == hot;
-        top = in && e[k] > top ? e[k] : top;
-        wtop = in && w[k] > wtop ? w[k] : wtop;
-    }
-    *wmax = wtop;
-    return top;
-}
-
 /* The hot set at sample s: the errors within `spread` of the largest, HOT_MIN to HOT_MAX
    of them where the errors allow; none when more than HOT_MAX tie for the largest. Unused
    entries have weight 0 and count inf: an error of -inf. */
@@ -94,13 +78,17 @@ static void choose_hot(Blend *b, int64_t s) {
         else break;
         count = at_least(b, top - b->spread);
     }
-    double cut = count <= HOT_MAX ? top - b->spread : INFINITY;
+    double cut = count <= HOT_MAX ? top - b->spread : INFINITY, theta = -INFINITY, wmax = 0;
     int32_t h = 0;
-    for (int32_t k = 0; k < b->n; k++) {
-        if (b->e[k] >= cut) {  /* a few in many: a branch the predictor learns */
+    for (int32_t k = 0; k < b->n; k++) {  /* in id order */
+        double e = b->e[k], w = b->w[k];
+        if (e >= cut) {  /* a few in many: a branch the predictor learns */
             b->hot_id[h] = k;
-            b->hot_w[h] = b->w[k];
+            b->hot_w[h] = w;
             b->hot_c[h++] = b->c[k];
+        } else {
+            theta = e > theta ? e : theta;
+            wmax = w > wmax ? w : wmax;
         }
     }
     for (int32_t k = h; k < b->hot_size; k++) {
@@ -109,11 +97,13 @@ static void choose_hot(Blend *b, int64_t s) {
         b->hot_c[k] = INFINITY;
     }
     b->alive = h;
-    b->theta = largest(b, cut, 0, &b->wmax);
+    b->theta = theta;
+    b->wmax = wmax;
     b->chosen_at = s;
 }
 
-/* The best hot error at `sd` and its entry (the lowest id among equals). */
+/* The best hot error at `sd` and its entry: the first equal to it, the lowest id (the
+   entries are in id order; a sampled or unused one's error is -inf). */
 static int32_t hot_best(Blend *b, double sd, double *best) {
     double top = -INFINITY, *e = b->hot_e;
 #pragma omp simd reduction(max : top)
@@ -121,11 +111,8 @@ static int32_t hot_best(Blend *b, double sd, double *best) {
         e[k] = b->hot_w[k] * sd - b->hot_c[k];
         top = e[k] > top ? e[k] : top;
     }
-    int32_t id = INT32_MAX;
-#pragma omp simd reduction(min : id)
-    for (int32_t k = 0; k < b->hot_size; k++) id = e[k] == top && b->hot_id[k] < id ? b->hot_id[k] : id;
     int32_t at = 0;
-    while (b->hot_id[at] != id) at++;
+    while (e[at] != top) at++;
     *best = top;
     return at;
 }
