@@ -54,7 +54,7 @@ SPLITS = list(Split)  # train, valid, test
 # shuffle indices, writes included; each sample of a blend (data/blend.py).
 SECONDS_PER_DOCUMENT = 0.18e-6
 SECONDS_PER_SAMPLE = 0.18e-6
-SECONDS_PER_BLEND_SAMPLE = 0.05e-6
+SECONDS_PER_BLEND_SAMPLE = 0.1e-6
 # Missing indices predicted to take longer than this on rank 0 (while the other ranks wait)
 # are refused: build them ahead of time.
 BUILD_AT_START_LIMIT_S = 300.0
