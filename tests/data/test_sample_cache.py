@@ -232,20 +232,26 @@ def a_ranks_start(r: Recipe, samples: Samples) -> None:
 def test_a_start_builds_only_the_indices_it_lacks(tmp_path, monkeypatch, capsys):
     """Another rank count changes only the validation samples: a start then builds those
     alone, at a size (a stand-in cost per document) where building the whole cache would
-    be refused, and reads the training indices already there."""
+    be refused, holding nothing per document of the training split, and reads the
+    training indices already there."""
+    documents = 100_000
     for i in range(2):
-        write_prefix(tmp_path / f"p{i}", 2_000, seed=i)
+        write_prefix(tmp_path / f"p{i}", documents, seed=i)
     r = recipe(tmp_path, prefixes=[str(tmp_path / "p0"), str(tmp_path / "p1")],
                weights=[1.0, 2.0], split="98,2,0")
     sample_cache.build(list(plans(r, TOKENIZER, Samples(400, 8)).values()))
     before = cache_files(tmp_path)
-    monkeypatch.setattr(sample_cache, "SECONDS_PER_DOCUMENT", 0.1)  # 4,000 documents: 400 s
+    monkeypatch.setattr(sample_cache, "SECONDS_PER_DOCUMENT", 0.002)  # the whole: 400 s
     whole = plans(r, TOKENIZER, Samples(400, 16))[None]
     assert whole.build_seconds(whole.missing()) < sample_cache.BUILD_AT_START_LIMIT_S
     assert whole.build_seconds([sample_cache.Missing(0, 0), sample_cache.Missing(0, 1)]) > \
         sample_cache.BUILD_AT_START_LIMIT_S
     assert {m.split for m in whole.missing()} == {Split.valid.value}
+    tracemalloc.start()
     sample_cache.prepare([whole], 0, "x")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 4 * documents / 2  # the training split's ids would be 4 bytes a document
     assert capsys.readouterr().out.startswith("data cache: building 3 missing index(es) in ")
     after = cache_files(tmp_path)
     assert {k: v for k, v in after.items() if k in before} == before  # the rest untouched
