@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
@@ -116,7 +115,3 @@ def exhaustive_blending_indices(sizes: Sequence[int], dataset_index: np.ndarray,
     counts = np.zeros(len(caps), np.int64)
     _run(weights, caps, 0, counts, dataset_index, dataset_sample_index, len(dataset_index))
     return counts
-
-
-def default_workers() -> int:
-    return len(os.sched_getaffinity(0))

@@ -511,7 +511,7 @@ def prepare(plans: list[Plan], rank: int, build_command: str,
     if rank == 0:
         print(f"data cache: building {sum(len(m) for _, m in missing)} missing index(es) in "
               f"{cache} (~{seconds:.0f} s on one core)", flush=True)
-        build([plan for plan, _ in missing], blend.default_workers())
+        build([plan for plan, _ in missing])  # in this process: a rank forks no workers
         return
     _wait_for(rank, [plan for plan, _ in missing], cache, seconds, poll_s)
 
