@@ -28,8 +28,8 @@ succeeded. So each other node's wrapper, once its torchrun is done with the stor
 itself done there, and the host's waits for that count (`AGENTS_DONE_WAIT_S` at most).
 
 A rank that ends with a user's mistake (exit code 2, `megatron_stem/runtime/errors.py`)
-has said it in one line (rank 0), or left it in torchrun's error file (another rank, printed
-here when rank 0 did not fail with it): the wrapper exits 2 after it, without torchrun's
+has said it in one line (rank 0), and left it in torchrun's error file (printed here when
+rank 0 left none): the wrapper exits 2 after it, without torchrun's
 report and traceback of the failure.
 
 It also names a rank that fails the moment torchrun sees it (`stem: <host>: rank N (local
@@ -148,20 +148,25 @@ def _a_user_error(failures: dict) -> bool:
     """Whether the first rank to fail ended with a user's mistake, and the others with it
     or by the signal torchrun then stops them with."""
     first = min(failures.values(), key=lambda f: f.timestamp)
-    return first.exitcode == USER_ERROR and all(
-        f.exitcode == USER_ERROR or f.exitcode < 0 for f in failures.values())
+    return _said(first) and all(_said(f) or f.exitcode < 0 for f in failures.values())
+
+
+def _said(failure) -> bool:
+    """Whether a rank ended with a user's mistake: its exit code, or its error file when
+    torchrun stopped it right after it said the mistake (only `say` writes one)."""
+    return failure.exitcode == USER_ERROR or Path(failure.error_file).is_file()
 
 
 def _said_user_error(error: ChildFailedError) -> bool:
     """Whether the ranks failed with a user's mistake (`_a_user_error`); if so, its line is
-    out: rank 0 said it, or the first such rank's, from its error file, is printed here."""
+    out: rank 0 said it (and left its error file), or the first such rank's, from its
+    error file, is printed here."""
     if not _a_user_error(error.failures):
         return False
-    said = {rank: f for rank, f in error.failures.items() if f.exitcode == USER_ERROR}
-    if 0 not in said:
+    said = {rank: f for rank, f in error.failures.items() if Path(f.error_file).is_file()}
+    if said and 0 not in said:  # rank 0 has said it itself
         first, failure = min(said.items())
-        if Path(failure.error_file).is_file():
-            print(f"error: rank {first}: {failure.message}", file=sys.stderr, flush=True)
+        print(f"error: rank {first}: {failure.message}", file=sys.stderr, flush=True)
     return True
 
 

@@ -2,14 +2,15 @@
 
 CLIs (`@cli` on their `main`) print its message as a single line and exit 2 (`USER_ERROR`);
 anything else is a bug and keeps its traceback. In a job of many ranks every rank meets the
-same mistake in the same recipe and files: rank 0 says it, once; another rank leaves its
-line in the error file torchrun gives it, which slurm/torchrun.py prints when rank 0 did
-not fail with it (so a mistake only one rank meets is never silent).
+same mistake in the same recipe and files: rank 0 says it, once; every rank leaves its
+line in the error file torchrun gives it, which slurm/torchrun.py prints when rank 0 left
+none (so a mistake only one rank meets is never silent).
 """
 
 import functools
 import json
 import os
+import signal
 import sys
 import time
 
@@ -38,11 +39,17 @@ def say(error: UserError) -> None:
     if error.reported:
         return
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if rank() == 0 or not error_file:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        return
-    with open(error_file, "w") as f:  # a form torchrun reads (`ProcessFailure`)
-        json.dump({"message": str(error), "timestamp": str(int(time.time()))}, f)
+    # torchrun may stop this rank (SIGTERM) the moment another rank fails: held back until
+    # both are done, the error file tells slurm/torchrun.py whether rank 0 has said it
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        if error_file:
+            with open(error_file, "w") as f:  # a form torchrun reads (`ProcessFailure`)
+                json.dump({"message": str(error), "timestamp": str(int(time.time()))}, f)
+        if rank() == 0 or not error_file:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def cli(main):

@@ -242,7 +242,9 @@ def test_after_a_clean_run_the_store_s_host_leaves_last(tmp_path):
     outputs = [agent.communicate(timeout=120)[0] for agent in agents]
     for agent, output in zip(agents, outputs):
         assert agent.returncode == 0 and "trained" in output, output
-        assert not re.search(r"error|failed|Traceback", output, re.I), output
+        logged = [line for line in output.splitlines()  # torch's warning of a heartbeat
+                  if "keep-alive heartbeat" not in line]  # late on a busy machine
+        assert not re.search(r"error|failed|Traceback", "\n".join(logged), re.I), output
 
 
 MISTAKEN_RANKS = """
@@ -259,11 +261,13 @@ sys.exit(main())
 
 @pytest.mark.integration  # runs torchrun
 @pytest.mark.parametrize("ranks, said", [
-    ("0,1", "error: data.prefixes: data/x.bin not found (seen by rank 0)"),
-    ("1", "error: rank 1: data.prefixes: data/x.bin not found (seen by rank 1)")])
+    ("0,1", {"error: data.prefixes: data/x.bin not found (seen by rank 0)",
+             # rank 1 was first, and torchrun stopped rank 0 before it could say it
+             "error: rank 1: data.prefixes: data/x.bin not found (seen by rank 1)"}),
+    ("1", {"error: rank 1: data.prefixes: data/x.bin not found (seen by rank 1)"})])
 def test_a_users_mistake_is_one_line_once_without_torchruns_report(tmp_path, ranks, said):
     """Every rank meets it: rank 0 says it; one rank alone: its line, from torchrun's error
-    file. No rank's line twice, no failure report, no traceback."""
+    file. One line, no failure report, no traceback."""
     script = tmp_path / "ranks.py"
     script.write_text(MISTAKEN_RANKS)
     proc = subprocess.run([sys.executable, str(ROOT / "slurm" / "torchrun.py"), "--standalone",
@@ -273,7 +277,38 @@ def test_a_users_mistake_is_one_line_once_without_torchruns_report(tmp_path, ran
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in (proc.stdout + proc.stderr).splitlines()
              if not line.startswith(("W", "I")) or line.startswith("error")]
-    assert lines == [said], proc.stderr
+    assert len(lines) == 1 and lines[0] in said, proc.stderr
+
+
+def test_rank_0_stopped_right_after_saying_the_mistake_is_not_said_again(tmp_path, capsys):
+    """Rank 1's mistake ends first, and torchrun stops rank 0 (SIGTERM) after rank 0 said
+    its own: its error file tells the wrapper, which neither repeats rank 1's line nor
+    takes the stop for a crash."""
+    import importlib.util
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    spec = importlib.util.spec_from_file_location("stem_torchrun", ROOT / "slurm" / "torchrun.py")
+    wrapper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wrapper)
+
+    def failure(rank, exitcode, said):
+        path = tmp_path / f"error-{rank}-{exitcode}-{said}.json"
+        if said:
+            path.write_text(json.dumps({"message": f"x not found (seen by rank {rank})",
+                                        "timestamp": "1"}))
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode,
+                              error_file=str(path))
+
+    stopped_after = {0: failure(0, -15, said=True), 1: failure(1, 2, said=True)}
+    assert wrapper._said_user_error(ChildFailedError("ranks.py", stopped_after))
+    assert capsys.readouterr().err == ""
+    stopped_before = {0: failure(0, -15, said=False), 1: failure(1, 2, said=True)}
+    assert wrapper._said_user_error(ChildFailedError("ranks.py", stopped_before))
+    assert capsys.readouterr().err == "error: rank 1: x not found (seen by rank 1)\n"
+    crashed = {0: failure(0, 1, said=False), 1: failure(1, 2, said=True)}
+    assert not wrapper._said_user_error(ChildFailedError("ranks.py", crashed))
 
 
 def test_arrays_that_can_be_empty_expand_safely_under_bash_4_2():
