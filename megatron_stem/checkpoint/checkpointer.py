@@ -49,6 +49,7 @@ from megatron_stem.checkpoint.from_dense import is_dense_source
 from megatron_stem.checkpoint.layout import KEPT, iter_name, last_before, prune, read_recipe
 from megatron_stem.checkpoint.model_io import load_model, save_model
 from megatron_stem.checkpoint.optimizer_io import OPTIM, load_optimizers, save_optimizers
+from megatron_stem.checkpoint.shard_writes import ShardWrites
 from megatron_stem.checkpoint.train_state import (
     OPTIMIZER_STEPS,
     TRAIN_STATE,
@@ -68,7 +69,8 @@ class _InFlight(NamedTuple):
     step: int
     background: BackgroundSave
     folder: Path
-    writer: ExitStack  # the Writer's exit (its commit) still to call
+    writer: Writer
+    commit: ExitStack  # the Writer's exit (its commit) still to call
 
 
 class Checkpointer:
@@ -188,19 +190,23 @@ class Checkpointer:
         self.wait_for_save(f"step {step} | ")
         model, engine, tables = self._parts
         tables.finish()  # an overlapped update: the model's tables complete
-        background = BackgroundSave() if train.async_save else None
+        writes = BackgroundSave() if train.async_save else ShardWrites()
+        writer = Writer(self.save_dir, step, self.recipe)
         with ExitStack() as stack:
-            folder = stack.enter_context(Writer(self.save_dir, step, self.recipe))
-            save_model(model, folder, background)
-            save_optimizers(model, engine.optimizer, tables, folder, background)
+            folder = stack.enter_context(writer)
+            save_model(model, folder, writes)
+            save_optimizers(model, engine.optimizer, tables, folder, writes)
             if dist.get_rank() == 0:
-                save_train_state(folder, step, {
+                writer.record(save_train_state(folder, step, {
                     "consumed_samples": step * train.global_batch_size,
-                    "table_row_order": ROW_ORDER, OPTIMIZER_STEPS: tables.step_count})
-            if background is not None:  # committed once written (`_commit_in_flight`)
-                background.start()
-                self._in_flight = _InFlight(step, background, folder, stack.pop_all())
-        if background is None:
+                    "table_row_order": ROW_ORDER, OPTIMIZER_STEPS: tables.step_count}))
+            if isinstance(writes, BackgroundSave):  # committed once written everywhere
+                writes.start()
+                self._in_flight = _InFlight(step, writes, folder, writer, stack.pop_all())
+            else:
+                writes.write()
+                writer.record(writes.finish(folder))
+        if not train.async_save:
             self._saved(step)
         elif force or step == train.steps:
             self.wait_for_save()
@@ -217,17 +223,17 @@ class Checkpointer:
         self._commit_in_flight()
 
     def _commit_in_flight(self) -> None:
-        step, background, folder, writer = self._in_flight
+        step, background, folder, writer, commit = self._in_flight
         self._in_flight = None
         try:
-            background.finish(folder)
+            writer.record(background.finish(folder))
         except Exception as e:
-            writer.__exit__(type(e), e, e.__traceback__)  # not committed: latest unchanged
+            commit.__exit__(type(e), e, e.__traceback__)  # not committed: latest unchanged
             raise UserError(f"{folder}: the checkpoint of step {step} could not be written "
                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
                             "the last whole checkpoint is still the one `latest` names"
                             ) from None
-        writer.close()  # Writer's commit: COMPLETE, then `latest`
+        commit.close()  # Writer's commit: COMPLETE, then `latest`
         self._saved(step)
 
     def _saved(self, step: int) -> None:
