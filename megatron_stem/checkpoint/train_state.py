@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import io
 import pickle
-import re
 from pathlib import Path
 
 import torch
 
 from megatron_stem.checkpoint.checksums import write_file
+from megatron_stem.checkpoint.unpickling import UNSUPPORTED, damaged
 from megatron_stem.runtime.errors import UserError
 
 TRAIN_STATE = "train_state.pt"
@@ -50,21 +50,16 @@ def load_train_state(ckpt: Path) -> dict:
     try:
         state = torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        found = UNSUPPORTED.search(str(e))
         if found is None and "weights_only" not in str(e):
-            raise _damaged(path, e) from None
+            raise damaged(path, e) from None
         what = f"a Python object ({found[1]})" if found else "a Python object"
         raise UserError(f"{path}: refused: it holds {what}, not only the numbers and "
                         "tensors of a train state, and loading it could run code (this "
                         "project never writes one: the file was made or altered elsewhere)"
                         ) from None
     except Exception as e:  # a damaged zip or pickle stream: zip, UTF-8 and EOF errors
-        raise _damaged(path, e) from None
+        raise damaged(path, e) from None
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         raise UserError(f"{path}: damaged (no step in it)")
     return state
-
-
-def _damaged(path: Path, e: Exception) -> UserError:
-    detail = str(e).splitlines()[0][:80] if str(e).strip() else "empty or cut short"
-    return UserError(f"{path}: damaged ({type(e).__name__}: {detail})")
