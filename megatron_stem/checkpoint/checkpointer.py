@@ -13,7 +13,8 @@ One `Checkpointer` per run, made by `training/loop.py` once the process group ex
 The weights go in before the engine exists because DeepSpeed (and `TableOptimizer`, for
 the tables) takes its fp32 master copy from the model when it is built; a run started
 from `train.init_from` without `train.init_optimizer` has no optimizer state that would
-put them there later.
+put them there later. Where the optimizer states follow (a resume), the dense weights come
+with them instead (their fp32 masters hold them exactly): a resume reads them once.
 
 A run started from another run's checkpoint (`train.init_from`: the next stage of a
 pipeline) is a new run: step 0, its own schedule, data, save_dir and logs. Only the
@@ -120,16 +121,18 @@ class Checkpointer:
     def load_weights(self, model) -> None:
         """The resume point's weights, or `train.init_from`'s, into `model`: a new run
         from a checkpoint keeps or re-initializes its tables (`train.init_tables`), and a
-        STEM run from a dense checkpoint starts fresh tables (`load_model`)."""
+        STEM run from a dense checkpoint starts fresh tables (`load_model`). Where the
+        optimizer states follow (`resume`), the dense weights come with their fp32 masters
+        and are not read here."""
         if self.resume_from is not None:
             check_same_shape(read_recipe(self.resume_from), self.recipe, self.resume_from)
-            load_model(model, self.resume_from)
+            load_model(model, self.resume_from, dense=False)
         elif self.init_from is not None:
             dense = self.dense_source
             check_same_shape(read_recipe(self.init_from), self.recipe, self.init_from,
                              dense_source=dense)
             load_model(model, self.init_from, self.recipe.train.init_tables,
-                       dense_source=dense)
+                       dense_source=dense, dense=not self.recipe.train.init_optimizer)
         self._weights_loaded = True
 
     def resume(self, model, engine, tables) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
 from megatron_stem.checkpoint.commit import barrier, is_writer
 from megatron_stem.checkpoint.from_dense import STEM_MLP, from_dense_mlp
@@ -47,17 +48,24 @@ def load_sharded(sharded_state_dict: dict, folder: Path, **options) -> dict:
                                    sharded_strategy=parallel_load_strategy(), **options)
 
 
-def load_model(model, ckpt: Path, tables: str = "keep", dense_source: bool = False) -> None:
+def load_model(model, ckpt: Path, tables: str = "keep", dense_source: bool = False,
+               dense: bool = True) -> None:
     """Load a checkpoint's weights into `model`, whatever layout it was saved from.
 
     `tables: reinit` leaves the model's STEM tables as they were built (a fresh run's
     init) instead of loading the checkpoint's. `dense_source`: the checkpoint is the dense
     baseline of this STEM model (`check_same_shape`): each STEM layer's gate and down
     projections are the dense layer's gate half of `linear_fc1` and its `linear_fc2`, its
-    up half is dropped, the tables start fresh; every other weight is loaded as it is."""
+    up half is dropped, the tables start fresh; every other weight is loaded as it is.
+    `dense=False` reads the tables' weights only: the dense parameters' come with their
+    optimizer's fp32 masters (`optimizer_io.load_optimizers`), which hold them exactly."""
+    def unread(key: str, sh) -> bool:  # left as the model holds it
+        if _is_table(key):
+            return tables == "reinit" or dense_source
+        return not dense and isinstance(sh, (ShardedTensor, ShardedTensorFactory))
+
     sharded = model.sharded_state_dict()
-    fresh = {k: sharded.pop(k) for k in list(sharded)
-             if _is_table(k) and (tables == "reinit" or dense_source)}
+    fresh = {k: sharded.pop(k) for k in list(sharded) if unread(k, sharded[k])}
     if dense_source:
         sharded = {k: from_dense_mlp(v) if STEM_MLP.search(k) else v
                    for k, v in sharded.items()}

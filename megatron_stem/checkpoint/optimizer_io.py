@@ -100,7 +100,9 @@ def _create_dense_states(zero_optimizer, step: int) -> None:
 def load_optimizers(model, zero_optimizer, tables: TableOptimizer, ckpt: Path,
                     step: int) -> None:
     """Restore the dense and table optimizer states of `ckpt` into the live ones: each rank
-    reads its ZeRO partition of the dense states and its part of the tables' into them."""
+    reads its ZeRO partition of the dense states and its part of the tables' into them.
+    The dense parameters are then set from their fp32 masters, as DeepSpeed does after
+    every step (a resume reads no dense weight: `model_io.load_model`'s `dense`)."""
     table_states = tables.state_tensors()
     _create_dense_states(zero_optimizer, step)
     link_states(zero_optimizer)
@@ -110,4 +112,5 @@ def load_optimizers(model, zero_optimizer, tables: TableOptimizer, ckpt: Path,
     for name, target in targets.items():  # what came from another rank's read: copied in
         if loaded[name].data_ptr() != target.data_ptr():
             target.copy_(loaded[name])
+    zero_optimizer.update_lp_params()
     tables.load_state_tensors(table_states, step)

@@ -27,7 +27,6 @@ A background save holds one copy of everything this rank writes until written.
 
 from __future__ import annotations
 
-import inspect
 import os
 import queue
 import re
@@ -38,7 +37,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import _write_item
+from torch.distributed.checkpoint.filesystem import SerializationFormat, _write_item
 
 from megatron_stem.checkpoint import checksums
 from megatron_stem.checkpoint.strategy import parallel_save_strategy
@@ -135,8 +134,8 @@ def _write_buckets(transforms: list, buckets: list, results: queue.Queue) -> dic
                 for item, data in [*byte_items, *tensor_items]:
                     if isinstance(data, torch.Tensor) and not data.is_cpu:
                         data = data.to("cpu")  # a synchronous save on a GPU: one at a time
-                    out[index].append(_write_item(*transforms, stream, data, item,
-                                                  storage_key, **_FORMAT))
+                    out[index].append(_write_item(*transforms, stream, data, item, storage_key,
+                                                  SerializationFormat.TORCH_SAVE))
                 f.flush()
                 os.fsync(f.fileno())
                 written[Path(path)] = stream.entry()
@@ -146,15 +145,3 @@ def _write_buckets(transforms: list, buckets: list, results: queue.Queue) -> dic
     results.put(out)
     return written
 
-
-def _format() -> dict:
-    """The serialization DCP's item writer is told to use, where it takes one (torch's
-    format, as megatron's writer asks for)."""
-    if "serialization_format" not in inspect.signature(_write_item).parameters:
-        return {}
-    from torch.distributed.checkpoint.filesystem import SerializationFormat
-
-    return {"serialization_format": SerializationFormat.TORCH_SAVE}
-
-
-_FORMAT = _format()

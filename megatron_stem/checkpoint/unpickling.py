@@ -41,6 +41,9 @@ ALLOWED = {
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
         "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    # where torch before 2.1 kept these two
+    "torch.distributed._shard.sharded_tensor.metadata": {"TensorProperties",
+                                                         "MEM_FORMAT_ENCODING"},
     "torch.distributed.checkpoint.planner": {
         "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
     "torch.serialization": {"_get_layout"},
