@@ -266,21 +266,21 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 def metrics(target: dict) -> dict:
     share = target["bytes"] / TARGET_RANKS
     return {
-        "resume reads, GB (max rank)": (lambda m: max(m["resume_reads"]),
+        "resume: reads of the rank that reads most, GB": (lambda m: max(m["resume_reads"]),
                                         {"now": (lambda m: m["bytes"] / m["ranks"], share),
                                          "before": (lambda m: m["bytes"], target["bytes"])}),
-        "save: host memory, GB (max rank)": (lambda m: max(m["save_peak"]),
+        "save: host memory of the rank that holds most, GB": (lambda m: max(m["save_peak"]),
                                              {"now": (lambda m: max(m["written"]), share),
                                               "before": (lambda m: m["dense_state"],
                                                          target["dense_state"])}),
-        "save: the step waits, s": (lambda m: max(m["wait_s"]),
+        "save: the step waits, s (CPU)": (lambda m: max(m["wait_s"]),
                                     {"now": (lambda m: max(m["written"]), share),
                                      "before": (lambda m: m["dense_state"],
                                                 target["dense_state"])}),
         "commit, s": (lambda m: max(m["commit_s"]),  # now: reads nothing, whatever the size
                       {"now": (lambda m: 0.0, 0.0),
                        "before": (lambda m: max(m["written"]), share)}),
-        "resume, s": (lambda m: max(m["resume_s"]),
+        "resume, s (CPU)": (lambda m: max(m["resume_s"]),
                       {"now": (lambda m: m["bytes"] / m["ranks"], share),
                        "before": (lambda m: m["bytes"], target["bytes"])}),
     }
@@ -300,30 +300,37 @@ def one_b() -> dict:
 
 
 def report(results: dict[str, list[dict]]) -> list[str]:
-    target = one_b()
-    lines = []
-    for code, runs in results.items():
-        lines.append(f"{code}:")
-        lines.append(f"  {'hidden':>7}{'ckpt GB':>9}{'reads/ckpt':>11}{'max rank':>9}"
-                     f"{'mem GB':>8}{'share GB':>9}{'wait s':>8}{'commit s':>9}{'resume s':>9}")
-        for m in runs:
-            lines.append(
-                f"  {m['hidden']:>7}{m['bytes'] / 1e9:>9.3f}"
-                f"{sum(m['resume_reads']) / m['bytes']:>11.2f}"
-                f"{max(m['resume_reads']) / m['bytes']:>9.2f}{max(m['save_peak']) / 1e9:>8.3f}"
-                f"{max(m['written']) / 1e9:>9.3f}{max(m['wait_s']):>8.2f}"
-                f"{max(m['commit_s']):>9.2f}{max(m['resume_s']):>9.2f}")
-    lines.append(f"fitted over the sizes, at {TARGET_RANKS} ranks and the 1B checkpoint "
-                 f"({target['bytes'] / 1e9:.1f} GB, dense optimizer state "
-                 f"{target['dense_state'] / 1e9:.1f} GB):")
+    """The figures as two Markdown tables: per size measured (each cell this code's figure,
+    then the code before's), and fitted to the 1B checkpoint on `TARGET_RANKS` ranks."""
+    def cells(values: list[float], form: str) -> str:
+        return " / ".join(form.format(v) for v in values)
+
+    target, codes = one_b(), list(results)
+    lines = ["| H | checkpoint | resume reads, all ranks | most by one rank | save: host memory, "
+             "most of a rank | a rank's share | the step waits | commit | resume |",
+             "|---:|---:|---|---|---|---:|---|---|---|"]
+    for runs in zip(*results.values()):
+        size = runs[0]["bytes"]
+        lines.append(
+            f"| {runs[0]['hidden']} | {size / 1e6:.0f} MB "
+            f"| {cells([sum(m['resume_reads']) / size for m in runs], '{:.2f}')} x "
+            f"| {cells([max(m['resume_reads']) / size for m in runs], '{:.2f}')} "
+            f"| {cells([max(m['save_peak']) / 1e6 for m in runs], '{:.0f}')} MB "
+            f"| {max(runs[0]['written']) / 1e6:.0f} MB "
+            f"| {cells([max(m['wait_s']) for m in runs], '{:.2f}')} s "
+            f"| {cells([max(m['commit_s']) for m in runs], '{:.2f}')} s "
+            f"| {cells([max(m['resume_s']) for m in runs], '{:.1f}')} s |")
+    lines += ["", f"| {TARGET_RANKS} ranks, the 1B checkpoint ({target['bytes'] / 1e9:.1f} GB) | "
+              + " | ".join(codes) + " |", "|---" + "|---:" * len(codes) + "|"]
     for label, (value, predictors) in metrics(target).items():
-        cells = []
-        for code, runs in results.items():
+        fitted = []
+        for code in codes:
             predictor, at = predictors[code]
+            runs = results[code]
             a, b = fit([predictor(m) for m in runs], [value(m) for m in runs])
-            scale = 1e9 if "GB" in label else 1.0
-            cells.append(f"{code} {(a + b * at) / scale:.1f}")
-        lines.append(f"  {label:<36}" + "   ".join(cells))
+            fitted.append((a + b * at) / (1e9 if "GB" in label else 1.0))
+        lines.append(f"| {label} | " + " | ".join(
+            f"{v:.2f}" if v < 10 else f"{v:,.0f}" for v in fitted) + " |")
     return lines
 
 
@@ -339,6 +346,8 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write every figure here as well")
     ap.add_argument("--no-times", action="store_true",
                     help="skip the third run of each (the resume's time): reads and memory only")
+    ap.add_argument("--report", default=None, metavar="JSON",
+                    help="print the tables of an earlier run's --json, measuring nothing")
     ap.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
     for flag in ("--out", "--data", "--save-dir", "--phase"):
         ap.add_argument(flag, help=argparse.SUPPRESS)
@@ -346,6 +355,9 @@ def main() -> None:
     if args.rank_side:
         args.hidden = int(args.hidden)
         return rank_side(args)
+    if args.report:
+        print("\n".join(report(json.loads(Path(args.report).read_text()))))
+        return
     if shutil.which("strace") is None:
         sys.exit("strace is needed to count each rank's reads (Debian: apt-get install strace)")
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_", dir="."))

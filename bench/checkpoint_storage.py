@@ -1,31 +1,31 @@
-"""Checkpoint save and load rates on this machine, and what a 1B save takes from them.
+"""Checkpoint storage on this machine: save and load rates, checksum rates, and the node
+time of a 1B save they predict.
 
-    python bench/checkpoint.py [--size-mb 1024] [--dir DIR] [--dp 32] [--ranks-per-node 8]
-                               [--verify-gb 4.1]
+    python bench/checkpoint_storage.py [--size-mb 1024] [--dir DIR] [--dp 32]
+                                       [--ranks-per-node 8] [--verify-gb 2.9]
 
 Measures one process writing and reading a megatron dist checkpoint (torch_dist, the
 training's save strategy, fsync included; the page cache is dropped for the files before
 the load, so it reads from storage), and how long a save keeps the training thread:
-synchronous against `train.async_save` (checkpoint/background.py: blocked only while the state
-is copied to host memory). Then predicts the 1B save (recipes/stem_1b.yaml,
-bf16 weights + fp32 master and two Adam moments for every parameter) per rank at data
-parallel `--dp`, for three layouts of who writes what:
+synchronous against `train.async_save` (checkpoint/background.py: blocked only while the
+state is copied to host memory). Then predicts the 1B save (recipes/stem_1b.yaml, bf16
+weights + fp32 master and two Adam moments for every parameter) per rank and per node at
+data parallel `--dp`, for three layouts of who writes what:
 
-* rank 0 writes all            the behaviour before the fully parallel save strategy;
+* rank 0 writes all            megatron's default strategy;
 * parallel, replicated tables  `tables.partition: replicated`: each DP-replicated tensor
-                               is written by one rank, whole tensors balanced over DP
-                               (megatron's greedy distribution), so a 4.2 GB table state
-                               is one rank's;
-* parallel, sharded tables     `tables.partition: sharded` (the default): each rank
-                               writes the table state rows it owns (1/DP), the weights
-                               (tables included) and dense states balanced as above.
+                               (the weights, the tables' states) is written by one rank,
+                               whole tensors balanced over DP (megatron's greedy
+                               distribution); each rank writes its ZeRO partition of the
+                               dense states (1/DP, checkpoint/zero_state.py);
+* parallel, sharded tables     `tables.partition: sharded` (the default): as above, but
+                               each rank writes the table state rows it owns (1/DP).
 
 Then compares checksum algorithms on one core over 256 MB in memory (crc32c only where
-the `crc32c` package is installed), and times ours (megatron_stem/checkpoint/checksums.py) over one
-rank's share of a 1B
-checkpoint (`--verify-gb`, 4.1 GB at DP32: a synthetic file): as a save computes them,
-right after writing (the file still in the page cache), and as a resume or
-tools/verify_checkpoint.py does, from storage (page cache dropped).
+the `crc32c` package is installed): a save hashes its bytes at that rate as it writes
+them. And it times ours (megatron_stem/checkpoint/checksums.py) over one rank's share of a
+1B checkpoint (`--verify-gb`, 2.9 GB at DP32: a synthetic file) from storage (page cache
+dropped), as a resume or tools/verify_checkpoint.py reads it.
 
 A node's ranks write at once: the node time assumes they share this process's rate (a
 parallel filesystem usually gives a node more; scale by your storage's per-node rate).
@@ -136,8 +136,8 @@ def compare_checksums(megabytes: int = 256) -> dict[str, float]:
     return rates
 
 
-def measure_checksum(gb: float, folder: Path) -> tuple[float, float, float]:
-    """(write s, checksum s from the page cache, checksum s from storage) of a `gb` file."""
+def measure_checksum(gb: float, folder: Path) -> tuple[float, float]:
+    """(write s, checksum s from storage) of a `gb` file."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "share.bin"
     block = os.urandom(64 << 20)
@@ -148,15 +148,12 @@ def measure_checksum(gb: float, folder: Path) -> tuple[float, float, float]:
         f.flush()
         os.fsync(f.fileno())
     write_s = time.perf_counter() - start
-    start = time.perf_counter()
-    digest(path)
-    warm_s = time.perf_counter() - start
     _drop_page_cache(folder)
     start = time.perf_counter()
     digest(path)
     cold_s = time.perf_counter() - start
     path.unlink()
-    return write_s, warm_s, cold_s
+    return write_s, cold_s
 
 
 def tensors_1b(recipe) -> tuple[list[int], list[int], list[int]]:
@@ -194,11 +191,11 @@ def main():
                     "in the current directory: put it on the storage checkpoints go to)")
     ap.add_argument("--dp", type=int, default=32, help="data-parallel ranks (1B: 4 x 8)")
     ap.add_argument("--ranks-per-node", type=int, default=8)
-    ap.add_argument("--verify-gb", type=float, default=4.1,
+    ap.add_argument("--verify-gb", type=float, default=2.9,
                     help="one rank's share of the checksums to time (0: skip)")
     args = ap.parse_args()
     init_distributed(ParallelConfig(), seed=0)
-    folder = Path(args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_", dir="."))
+    folder = Path(args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_storage_", dir="."))
     try:
         save_rate, load_rate = measure(args.size_mb, folder / "ckpt")
         sync_s, blocked_s, whole_s = blocking(args.size_mb, folder / "blocking")
@@ -216,11 +213,10 @@ def main():
     print("checksums, one core, in memory: " + ", ".join(
         f"{name} {rate:.1f} GB/s" for name, rate in sorted(rates.items(), key=lambda x: -x[1])))
     if checksum is not None:
-        write_s, warm_s, cold_s = checksum
+        write_s, cold_s = checksum
         gb = args.verify_gb
-        print(f"checksums of {gb:.1f} GB (one rank's share): {warm_s:.1f} s after writing "
-              f"({gb / warm_s:.1f} GB/s; the write took {write_s:.1f} s), {cold_s:.1f} s from "
-              f"storage ({gb / cold_s:.2f} GB/s)")
+        print(f"checksums of {gb:.1f} GB (one rank's share) from storage: {cold_s:.1f} s "
+              f"({gb / cold_s:.2f} GB/s; writing it took {write_s:.1f} s)")
     dense, table_weights, table_states = tensors_1b(
         load_recipe(ROOT / "recipes" / "stem_1b.yaml"))
     tables = table_weights + table_states
@@ -229,10 +225,14 @@ def main():
     print(f"1B checkpoint: {total / 1e9:.1f} GB (dense {sum(dense) / 1e9:.1f}, tables "
           f"{sum(tables) / 1e9:.1f}); DP {dp}, {node} ranks per node; at {save_rate:.2f} GB/s:")
     print(f"{'layout':<30}{'GB/rank':>9}{'s/rank':>9}{'GB/node':>9}{'s/node':>9}  fits 300 s?")
+    dense_weights, dense_states = dense[0::4], sum(dense) - sum(dense[0::4])
     layouts = {"rank 0 writes all": [total] + [0] * (dp - 1),
-               "parallel, replicated tables": rank_loads(dense + tables, dp),
-               "parallel, sharded tables": [load + sum(table_states) // dp for load
-                                            in rank_loads(dense + table_weights, dp)]}
+               "parallel, replicated tables": [
+                   load + dense_states // dp
+                   for load in rank_loads(dense_weights + table_weights + table_states, dp)],
+               "parallel, sharded tables": [
+                   load + (dense_states + sum(table_states)) // dp
+                   for load in rank_loads(dense_weights + table_weights, dp)]}
     for name, loads in layouts.items():
         per_rank = max(loads)
         per_node = max(sum(loads[i:i + node]) for i in range(0, dp, node))

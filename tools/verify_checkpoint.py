@@ -1,11 +1,13 @@
-"""Check a megatron-stem checkpoint whole: every file there, at its size and checksum.
+"""Check a megatron-stem checkpoint whole: every file there, at its size and checksum, and
+every pickle in it data only (loading it runs no code).
 
     python tools/verify_checkpoint.py --checkpoint runs/stem_1b [--all]
 
 `--checkpoint` is a save dir (the checkpoint a resume would take: `latest`'s, else the
 newest whole one, each refusal said in one line) or one iter_N folder; `--all` checks
-every iter_N folder of a save dir. Exits 2 with one line naming the damaged file. It
-reads every byte (xxh3_64): about the time a cold load takes. See docs/checkpoints.md.
+every iter_N folder of a save dir. Exits 2 with one line naming the damaged (or tampered)
+file. It reads every byte (xxh3_64): about the time a cold load takes. See
+docs/checkpoints.md.
 """
 
 import argparse

@@ -134,8 +134,9 @@ def _write_buckets(transforms: list, buckets: list, results: queue.Queue) -> dic
                 for item, data in [*byte_items, *tensor_items]:
                     if isinstance(data, torch.Tensor) and not data.is_cpu:
                         data = data.to("cpu")  # a synchronous save on a GPU: one at a time
-                    out[index].append(_write_item(*transforms, stream, data, item, storage_key,
-                                                  SerializationFormat.TORCH_SAVE))
+                    out[index].append(_write_item(
+                        *transforms, stream, data, item, storage_key,
+                        serialization_format=SerializationFormat.TORCH_SAVE))
                 f.flush()
                 os.fsync(f.fileno())
                 written[Path(path)] = stream.entry()
