@@ -6,8 +6,9 @@ parameter, whatever the DP size), so a checkpoint saved at one TP/DP layout or t
 partition resumes at any other. Every rank writes and reads only what it holds: its ZeRO
 partition of the dense states (`zero_state`: boxes of those tensors, views into the live
 partition) and its rows of the tables' states (`tables.partition: sharded`; whole tables,
-replicated over DP, are written by one rank and read by one, `strategy.py`). Loading fills
-the live states in place: no gather, no copy of a whole state on any rank.
+replicated over DP, are written by one rank and read by one, which sends them to the
+others: `strategy.py`). Loading fills the live states in place: no gather, no copy of a
+whole state on any rank.
 """
 
 from __future__ import annotations

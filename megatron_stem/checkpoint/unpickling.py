@@ -9,7 +9,7 @@ checkpoint from a shared folder or a download could run any code as it loads.
 
 `check(folder)` reads every one of them before megatron-core or torch does: `.metadata`
 with an unpickler that builds only what a DCP index is made of (torch's checkpoint
-metadata classes, sizes, dtypes, layouts, plain containers: `ALLOWED`), the objects and
+metadata classes, sizes, dtypes, layouts, paths, plain containers: `ALLOWED`), the objects and
 `common.pt` with torch's own allow-listed unpickler (`weights_only=True`). Anything else is
 refused in one line naming the file. `verify.verify` runs it on every path that reads a
 checkpoint (resume, `train.init_from`, tools/to_hf.py, editing, tools/verify_checkpoint.py),
@@ -49,6 +49,9 @@ ALLOWED = {
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
     "collections": {"OrderedDict"},
+    # torch's own writer records the folder it wrote as a path (`StorageMeta.checkpoint_id`)
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath",
+                "PureWindowsPath"},
 }
 
 
