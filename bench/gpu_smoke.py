@@ -11,7 +11,8 @@ Each variant trains the same STEM model on the same random token batches in this
   optimizer, the state sharded in CPU memory (DeepSpeed's CPU Adam; the gradients cross
   to it on a side stream): the loss falls;
 * the tables' state on the accelerator (torch's Adam there) against CPU memory: close;
-* `tables.overlap: next_step` (a second thread and CUDA stream, events, recorded tensors;
+* `tables.overlap: next_step` (its arithmetic on a second thread and stream, its
+  publications on a third stream from the main thread, events, recorded tensors;
   4 micro-batches a step, so the first micro-batch's rows go first and the later ones'
   are waited for) against `none`, with deterministic algorithms and the math attention kernel: the same
   losses bit for bit;
@@ -152,7 +153,7 @@ def staged_row_grads(model: dict) -> tuple[bool, str]:
             sum((torch.nn.functional.embedding(x, t, sparse=True) * upstream).float().sum()
                 for t in tables).backward()
         queued = all(r._result is not None for r in row_grads)  # before take: queued
-        rows, grads = take_same_rows(row_grads)
+        rows, grads, _ = take_same_rows(row_grads)
         return rows, grads, queued
 
     plain_rows, plain, _ = sums(False)

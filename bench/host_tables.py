@@ -307,7 +307,7 @@ def _store_bytes(tables, mbs, per_step, cache_rows, update, warmup) -> dict:
         store.stage(step_mbs)
         for mb in step_mbs:
             store.lookup(mb["tokens"], tables[0])
-        rows, _ = store.take_row_grads()
+        rows, _, _ = store.take_row_grads()
         store.rows_changed(rows if update == "lazy" else None)
     stats = store.take_stats()
     store.close()

@@ -7,7 +7,7 @@ Resumes from `<train.save_dir>/latest` when there is one; on SIGUSR1/SIGTERM (SL
 preemption, `--signal`) saves a checkpoint and exits with `EXIT_REQUEUE`.
 
 This module is the command line only: the loop is `training/loop.py`, `--print-config`
-and `--check` are `training/preflight.py`.
+and `--check` (both at once: the recipe, then its checks) are `training/preflight.py`.
 """
 
 # ruff: noqa: E402  (the imports come after the stop handler's installation)
@@ -22,9 +22,11 @@ if __name__ == "__main__":  # a rank: a stop signal during the slow imports belo
 
 import argparse
 
+from megatron_stem.checkpoint.finding import record_stage
 from megatron_stem.config import RecipeSource, load_recipe
+from megatron_stem.planning import hardware
 from megatron_stem.runtime import warning_filters
-from megatron_stem.runtime.errors import cli
+from megatron_stem.runtime.errors import UserError, cli
 from megatron_stem.training import preflight
 from megatron_stem.training.loop import run
 from megatron_stem.training.stop import EXIT_REQUEUE
@@ -41,22 +43,41 @@ def main(argv=None) -> int:
                              "it came from, and exit")
     parser.add_argument("--check", action="store_true",
                         help="run every check that can run before training (fields, data "
-                             "files, tokenizer, checkpoints, memory per GPU) and exit: 2 and "
-                             "every problem, one per line, if any")
-    parser.add_argument("--nodes", type=int, default=1, help="--check: nodes of the job")
+                             "files, tokenizer, checkpoints; with --gpus-per-node the job's "
+                             "layout, memory per GPU and budget) and exit: 2 and every "
+                             "problem, one per line, if any")
+    parser.add_argument("--nodes", type=int,
+                        help="--check: nodes of the job (default 1)")
     parser.add_argument("--gpus-per-node", type=int,
-                        help="--check: GPUs per node (checks the layout and memory per GPU)")
-    parser.add_argument("--hardware", default="h200",
-                        help="--check: the GPU whose memory to plan for (h100, h200)")
+                        help="--check: GPUs per node (checks the layout, memory per GPU and "
+                             "the budget on nodes x GPUs)")
+    parser.add_argument("--hardware", choices=sorted(hardware.PUBLISHED),
+                        help="--check: the GPU to plan for (default: the one nvidia-smi "
+                             "finds here; on a machine without one, required with "
+                             "--gpus-per-node)")
     args = parser.parse_args(argv)
+    cluster_flags = [flag for flag, value in (("--nodes", args.nodes),
+                                              ("--gpus-per-node", args.gpus_per_node),
+                                              ("--hardware", args.hardware))
+                     if value is not None]
+    if cluster_flags and not args.check:
+        raise UserError(f"{', '.join(cluster_flags)}: describe the job for --check; add "
+                        "--check (training itself takes its size from torchrun)")
+    for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag}: must be >= 1, got {value}")
     if args.print_config or args.check:
         source = RecipeSource.read(args.recipe, args.overrides)
-        if args.print_config:
+        if not args.check:
             return preflight.print_config(source)
-        return preflight.check(source, preflight.Target(args.nodes, args.gpus_per_node,
-                                                        args.hardware))
+        target = preflight.Target.given(args.nodes or 1, args.gpus_per_node, args.hardware)
+        if args.print_config:
+            return preflight.print_and_check(source, target)
+        return preflight.check(source, target)
     warning_filters.other_ranks_quiet()
-    result = run(load_recipe(args.recipe, args.overrides))
+    recipe = load_recipe(args.recipe, args.overrides)
+    record_stage(args.recipe, recipe)  # where a next stage's init_from finds this run
+    result = run(recipe)
     return EXIT_REQUEUE if result["preempted"] else 0
 
 

@@ -23,28 +23,22 @@
 #   STEM_RUN_NAME         this run's folder name (default: the job name, sbatch --job-name)
 #   STEM_SAVE_DIR         checkpoints + TensorBoard (default: $STEM_OUTPUT/$STEM_RUN_NAME/checkpoints)
 #   STEM_PROCS_PER_NODE   ranks per node (default: one per GPU of the node; 1 without GPUs)
-#   STEM_VENV             virtualenv to activate (default: .venv of this checkout, if any)
-#   STEM_MODULES          environment modules to `module load` first, space-separated
-#   STEM_SETUP            a shell file to source for site settings (conda, NCCL_IB_*, ...)
+#   STEM_VENV, STEM_MODULES, STEM_SETUP, STEM_CONTAINER, STEM_CONTAINER_MOUNTS: the software
+#                         environment, as slurm/environment.sh says
 #   STEM_MASTER_PORT      rendezvous port on the first node (default: fixed per job id, below
 #                         the node's ephemeral port range; see "rendezvous port" below)
 #   STEM_SHUTDOWN_TIMEOUT seconds the ranks get to save after a stop signal (default: 600)
 #   STEM_BUILD_DATA_CACHE 1: first build the data cache on this node (tools/build_data_cache.py,
 #                         nothing to do once built; the 1B stages' sbatch files set it); 0: no
-#   STEM_CONTAINER        run the ranks in a container: an image for pyxis/enroot (a name such as
-#                         nvcr.io#nvidia/pytorch:24.05-py3, or a .sqsh file: srun --container-image)
-#                         or an Apptainer/Singularity .sif (apptainer exec --nv)
-#   STEM_CONTAINER_MOUNTS more host folders for the container, src[:dst] comma-separated (the
-#                         working directory and the job's code snapshot are always mounted)
 # NCCL_* / TORCH_NCCL_* variables already set are kept (see "NCCL defaults" below).
 
-stem_log() { echo "stem: $*"; }
-stem_die() { echo "stem: error: $*" >&2; exit 2; }
+STEM_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=slurm/environment.sh
+source "$STEM_ROOT/slurm/environment.sh"
 
 [[ -n ${SLURM_JOB_ID:-} ]] ||
     stem_die "launch.sh runs inside a SLURM batch job: submit with sbatch slurm/<model>.sbatch"
 
-STEM_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 _stem_t0=$SECONDS
 _stem_restart=${SLURM_RESTART_COUNT:-0}
 
@@ -68,33 +62,11 @@ _stem_on_term() {
 trap _stem_on_usr1 USR1
 trap _stem_on_term TERM
 
-# --- software environment (before `set -u`: module, conda and site scripts often read
-# unset variables) -------------------------------------------------------------------------
-if [[ -n ${STEM_MODULES:-} ]]; then
-    type module >/dev/null 2>&1 || source /etc/profile >/dev/null 2>&1
-    type module >/dev/null 2>&1 || stem_die "STEM_MODULES is set but this shell has no 'module' command"
-    # shellcheck disable=SC2086
-    module load $STEM_MODULES || stem_die "STEM_MODULES: 'module load $STEM_MODULES' failed"
-fi
-if [[ -n ${STEM_SETUP:-} ]]; then
-    # shellcheck disable=SC1090
-    source "$STEM_SETUP" || stem_die "STEM_SETUP: sourcing $STEM_SETUP failed"
-fi
-_stem_venv=${STEM_VENV:-}
-[[ -z $_stem_venv && -z ${STEM_CONTAINER:-} && -f $STEM_ROOT/.venv/bin/activate ]] &&
-    _stem_venv=$STEM_ROOT/.venv  # (a container brings its own Python)
-if [[ -n $_stem_venv ]]; then
-    [[ -f $_stem_venv/bin/activate ]] || stem_die "STEM_VENV: $_stem_venv/bin/activate not found"
-    # shellcheck disable=SC1091
-    source "$_stem_venv/bin/activate"
-fi
+# --- software environment (slurm/environment.sh; before `set -u`) ---------------------
+stem_activate
 set -uo pipefail
 # This checkout's code runs, whatever copy of megatron_stem the environment has installed.
 export PYTHONPATH=$STEM_ROOT${PYTHONPATH:+:$PYTHONPATH}
-[[ -n ${STEM_CONTAINER:-} ]] ||
-python -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('torch') and u.find_spec('deepspeed')))" \
-    2>/dev/null || stem_die "$(command -v python || echo python) cannot import torch and deepspeed:" \
-    "set STEM_VENV (a virtualenv with requirements.txt installed), STEM_MODULES or STEM_SETUP"
 
 # --- layout: nodes, ranks, rendezvous --------------------------------------------------
 _stem_nnodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
@@ -163,6 +135,12 @@ _stem_port=${STEM_MASTER_PORT:-$_stem_port}
 # A failed or hung collective aborts the process instead of hanging until the time limit.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+# Every CUDA kernel loaded at start, not at its first launch (CUDA's lazy loading, the
+# default since 12.2): loading a kernel can wait for the kernels running, and a collective's
+# kernel waits for its peers, so a side stream's first launch while an all-gather runs can
+# stall a rank until its peers time out (CUDA guide, "Lazy Loading", concurrent execution).
+# Costs start-up time and device memory for kernels never launched.
+(( _stem_gpus > 0 )) && export CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER}
 # Network selection (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_IB_GID_INDEX, ...) is the site's:
 # set it in STEM_SETUP. CPU threads: the node's CPUs shared by its ranks.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( _stem_cpus / _stem_procs > 0 ? _stem_cpus / _stem_procs : 1 ))}
@@ -204,15 +182,7 @@ fi
 export STEM_CODE_VERSION; STEM_CODE_VERSION=$(cat "$_stem_code/VERSION")
 export PYTHONPATH=$_stem_code${PYTHONPATH#"$STEM_ROOT"}  # instead of the live checkout
 # The ranks' command: python itself, or in a container (srun's options for pyxis).
-_stem_python=(python)
-_stem_srun_container=()
-_stem_mounts="$PWD,$_stem_code${STEM_CONTAINER_MOUNTS:+,$STEM_CONTAINER_MOUNTS}"
-if [[ ${STEM_CONTAINER:-} = *.sif ]]; then
-    _stem_python=(apptainer exec --nv --bind "$_stem_mounts" --pwd "$PWD" "$STEM_CONTAINER" python)
-elif [[ -n ${STEM_CONTAINER:-} ]]; then
-    _stem_srun_container=(--container-image="$STEM_CONTAINER" --container-mounts="$_stem_mounts"
-                          --container-workdir="$PWD")
-fi
+stem_container "$PWD,$_stem_code"
 printf -v _stem_python_q '%q ' "${_stem_python[@]}"  # for the per-node command line
 # -----------------------------------------------------------------------------------------
 
@@ -257,12 +227,13 @@ _stem_latest() { cat "$_stem_save_dir/latest" 2>/dev/null || echo "none"; }
     echo "container: ${STEM_CONTAINER:-none}"
     echo "python: $(command -v python)"
     echo "command: srun ${_stem_srun_container[*]} ... ${_stem_python[*]} $_stem_code/slurm/torchrun.py ${_stem_torchrun[*]}"
-    env | grep -E '^(STEM_|NCCL_|TORCH_NCCL_|OMP_NUM_THREADS|CUDA_VISIBLE_DEVICES|SLURM_(JOB_|GPUS|CPUS|NNODES|RESTART))' | sort
+    env | grep -E '^(STEM_|NCCL_|TORCH_NCCL_|OMP_NUM_THREADS|CUDA_(VISIBLE_DEVICES|MODULE_LOADING)|SLURM_(JOB_|GPUS|CPUS|NNODES|RESTART))' | sort
 } >>"$_stem_job_dir/launch.log"
 
 stem_log "job $SLURM_JOB_ID (restart $_stem_restart) $(date '+%F %T'): $_stem_nnodes node(s) x $_stem_procs rank(s) ($_stem_procs_from) on $SLURM_JOB_NODELIST, rendezvous $_stem_master:$_stem_port"
 stem_log "recipe $_stem_recipe | checkpoints $_stem_save_dir (latest: $(_stem_latest)) | job files $_stem_job_dir"
 stem_log "code $STEM_CODE_VERSION ($_stem_code_from)${STEM_CONTAINER:+ | container $STEM_CONTAINER}"
+(( _stem_stop )) || stem_check_environment torch deepspeed megatron.core
 
 # --- the data cache: built here, before any rank starts, so that no rank waits for rank 0
 # under the process groups' timeout (docs/data.md, "Training data at scale") ----------
@@ -309,6 +280,10 @@ if (( _stem_stop )); then
 elif (( _stem_rc == 0 )); then
     stem_log "training finished after $_stem_elapsed; latest checkpoint: $(_stem_latest)"
     exit 0
+elif (( _stem_rc == 2 )); then  # a user's mistake, said in one line above (errors.py)
+    stem_log "stopped after $_stem_elapsed by the error above (in the recipe, its files or the" \
+        "environment; --check finds most before a job): fix it and resubmit"
+    exit 2
 else
     stem_log "FAILED after $_stem_elapsed: a training process failed and srun stopped every node (exit code $_stem_rc)." \
         "The first 'stem: <node>: rank N ... failed' line above names the rank that failed first (the others failed in its broken collectives; its Traceback is above too)." \

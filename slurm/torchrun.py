@@ -19,6 +19,19 @@ a crash. A stop is routine under SLURM, so on SignalException this wrapper inste
   trainer then leaves `$STEM_STOP_MARKER.<host>`, which the batch script also reads),
   else 128+signal, as for a process the signal ended.
 
+After a run that ended normally, the node that hosts the store leaves last. Every agent
+waits for the others at torchrun's exit barrier, then closes the rendezvous, both through
+the store; the host's agent passes the barrier as soon as the last agent arrives and would
+exit (taking the store with it) while that agent still waits for its answer, which then
+logs "Error waiting on exit barrier" and a failed rendezvous shutdown on a job that
+succeeded. So each other node's wrapper, once its torchrun is done with the store, counts
+itself done there, and the host's waits for that count (`AGENTS_DONE_WAIT_S` at most).
+
+A rank that ends with a user's mistake (exit code 2, `megatron_stem/runtime/errors.py`)
+has said it in one line (rank 0), or left it in torchrun's error file (another rank, printed
+here when rank 0 did not fail with it): the wrapper exits 2 after it, without torchrun's
+report and traceback of the failure.
+
 It also names a rank that fails the moment torchrun sees it (`stem: <host>: rank N (local
 rank i) failed: ...`). torchrun itself names it only after stopping the node's other ranks,
 which can take up to 30 s (they take its SIGTERM for a stop and try to finish their step);
@@ -27,6 +40,7 @@ reports first, and srun kills this one before it says anything: the log would na
 victims.
 """
 
+import logging
 import os
 import signal
 import socket
@@ -34,11 +48,17 @@ import sys
 import time
 from pathlib import Path
 
+import torch.distributed.elastic.rendezvous.registry as rendezvous_registry
 from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
-from torch.distributed.run import main
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args
+from torch.distributed.run import run as torchrun
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 STORE_LINGER_S = 5
+USER_ERROR = 2  # a rank's exit code for a user's mistake (megatron_stem/runtime/errors.py)
+AGENTS_DONE_KEY = "megatron_stem/agents_done"
+AGENTS_DONE_WAIT_S = 60  # only a node whose agent died keeps the host waiting that long
 
 
 def _wait_for_children(timeout: float) -> None:
@@ -60,7 +80,8 @@ def _say_failures_at_once(context=SubprocessContext) -> None:
     host = socket.gethostname()
 
     def say_and_close(self, *args, **kwargs):
-        if getattr(self, "_failures", None) and not getattr(self, "_stem_said", False):
+        failures = getattr(self, "_failures", None)
+        if failures and not _a_user_error(failures) and not getattr(self, "_stem_said", False):
             self._stem_said = True
             for local_rank, failure in sorted(self._failures.items()):
                 how = (f"Signal {-failure.exitcode} ({failure.signal_name()})"
@@ -73,20 +94,99 @@ def _say_failures_at_once(context=SubprocessContext) -> None:
     context._close = say_and_close
 
 
+def _keep_rendezvous(handlers: list, registry=rendezvous_registry) -> None:
+    """Keep the rendezvous handler torchrun makes (and with it the store) in `handlers`,
+    for `_leave_in_order` after torchrun is done with it."""
+    make = registry.get_rendezvous_handler
+
+    def make_and_keep(params):
+        handler = make(params)
+        handlers.append(handler)
+        return handler
+
+    registry.get_rendezvous_handler = make_and_keep
+
+
+def _leave_in_order(handlers: list, hosts_store: bool, wait: float = AGENTS_DONE_WAIT_S
+                    ) -> None:
+    """The other nodes' agents count themselves done in the store; the host's agent waits
+    for all of them (at most `wait` seconds) before its store goes."""
+    store = getattr(handlers[0], "_store", None) if handlers else None
+    nodes = getattr(getattr(handlers[0], "_settings", None), "min_nodes", 1) if handlers else 1
+    if store is None:  # another torch's handler: give the others time, blind
+        if hosts_store:
+            time.sleep(STORE_LINGER_S)
+        return
+    if nodes < 2:
+        return
+    try:
+        if not hosts_store:
+            store.add(AGENTS_DONE_KEY, 1)
+            return
+        deadline = time.monotonic() + wait
+        while store.add(AGENTS_DONE_KEY, 0) < nodes - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except RuntimeError:  # the store is gone already (its host ended): nothing to order
+        pass
+
+
+def _hosts_store(argv: list[str]) -> bool:
+    return any(a.startswith("--rdzv-conf") and "is_host=1" in a for a in argv)
+
+
+def _no_report_of_user_errors() -> None:
+    """torchrun's agent logs the first failed rank as an error: not one that said its own
+    mistake (the rank's line is the report)."""
+    def keep(record: logging.LogRecord) -> bool:
+        return not (str(record.msg).startswith("failed (exitcode: %s)") and record.args
+                    and record.args[0] == USER_ERROR)
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(keep)
+
+
+def _a_user_error(failures: dict) -> bool:
+    """Whether the first rank to fail ended with a user's mistake, and the others with it
+    or by the signal torchrun then stops them with."""
+    first = min(failures.values(), key=lambda f: f.timestamp)
+    return first.exitcode == USER_ERROR and all(
+        f.exitcode == USER_ERROR or f.exitcode < 0 for f in failures.values())
+
+
+def _said_user_error(error: ChildFailedError) -> bool:
+    """Whether the ranks failed with a user's mistake (`_a_user_error`); if so, its line is
+    out: rank 0 said it, or the first such rank's, from its error file, is printed here."""
+    if not _a_user_error(error.failures):
+        return False
+    said = {rank: f for rank, f in error.failures.items() if f.exitcode == USER_ERROR}
+    if 0 not in said:
+        first, failure = min(said.items())
+        if Path(failure.error_file).is_file():
+            print(f"error: rank {first}: {failure.message}", file=sys.stderr, flush=True)
+    return True
+
+
 def run() -> int:
     _say_failures_at_once()
+    _no_report_of_user_errors()
+    handlers: list = []
+    _keep_rendezvous(handlers)
     try:
-        main()
+        torchrun(parse_args(sys.argv[1:]))  # not its `main`, whose @record logs a failure
+    except ChildFailedError as e:
+        if _said_user_error(e):
+            return USER_ERROR
+        raise
     except SignalException as e:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         _wait_for_children(float(os.environ.get("STEM_SHUTDOWN_TIMEOUT", "600")))
-        if any(a.startswith("--rdzv-conf") and "is_host=1" in a for a in sys.argv[1:]):
+        if _hosts_store(sys.argv[1:]):
             time.sleep(STORE_LINGER_S)
         host = socket.gethostname()
         print(f"stem: {host}: ranks stopped by {e.sigval.name}", file=sys.stderr, flush=True)
         marker = os.environ.get("STEM_STOP_MARKER")
         return 0 if marker and Path(f"{marker}.{host}").is_file() else 128 + int(e.sigval)
+    _leave_in_order(handlers, _hosts_store(sys.argv[1:]))
     return 0
 
 

@@ -33,6 +33,18 @@ def world1():
     destroy_distributed()
 
 
+@pytest.fixture
+def in_process_trainer():
+    """For a test that calls the trainer in this process: its stop handler takes SIGUSR1
+    and SIGTERM (training/stop.py), which this process gets back after the test."""
+    import signal
+
+    kept = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    yield
+    for s, handler in kept.items():
+        signal.signal(s, handler)
+
+
 # --- the trainer's end-to-end runs (tests/training/, tests/checkpoint/test_resume.py) ---
 
 @pytest.fixture(scope="session")
@@ -168,7 +180,8 @@ SLOWEST_FIRST = [
     "test_training_tables.py", "test_output.py", "test_preprocess_identity.py",
     "test_quality_bench.py", "test_guard.py", "test_parallel_parity.py", "test_planner.py",
     "test_preprocess.py", "test_lm_eval.py", "test_editing.py", "test_lazy_imports.py",
-    "test_stages.py", "test_full_disk.py", "test_stop.py",
+    "test_stages.py", "test_build_data_cache.py", "test_sample_cache.py", "test_full_disk.py",
+    "test_stop.py",
 ]
 
 

@@ -188,7 +188,8 @@ def check_sbatch(args: list[str], env: dict) -> Step:
     """An sbatch script and the STEM_* settings slurm/launch.sh turns into its command."""
     script = args[-1]
     text = (ROOT / script).read_text()
-    assert not set(env) - variables_read("slurm/launch.sh"), f"launch.sh reads no {set(env)}"
+    assert not set(env) - variables_read("slurm/launch.sh", "slurm/environment.sh"), \
+        f"launch.sh reads no {set(env)}"
     recipe = env.get("STEM_RECIPE") or re.search(r"STEM_RECIPE:-([^}]+)\}", text)[1]
     overrides = shlex.split(env.get("STEM_OVERRIDES", ""))
     if "STEM_DATA" in env:
@@ -204,7 +205,8 @@ def check_sbatch(args: list[str], env: dict) -> Step:
 
 def check_preprocess_array(args: list[str], env: dict) -> Step:
     """slurm/preprocess.sh: its settings, as the tools/preprocess_data.py command they make."""
-    assert not set(env) - variables_read("slurm/preprocess.sbatch"), f"unknown setting in {env}"
+    assert not set(env) - variables_read("slurm/preprocess.sbatch", "slurm/environment.sh"), \
+        f"unknown setting in {env}"
     assert args[0].isdigit(), "slurm/preprocess.sh TASKS [sbatch options]"
     return check_script("tools/preprocess_data.py", [
         "--input", *env["INPUT"].split(), "--output-prefix", env["OUTPUT_PREFIX"],
@@ -244,14 +246,23 @@ def check_hf(args: list[str]) -> Step:
     return Step(writes=[f"{target}/{f}" for f in files] or [target])
 
 
+def check_container_build(args: list[str]) -> Step:
+    """`docker build -f containers/Dockerfile ...`, `apptainer build X containers/stem.def`,
+    `enroot import ...`: the definitions they name are the repository's."""
+    named = [a for a in args if a.startswith("containers/")]
+    assert args[0] in ("build", "import") and all((ROOT / a).is_file() for a in named), args
+    return Step()
+
+
 def check(env: dict, words: list[str]) -> Step:
     prog, *args = words
-    if prog in PYTHONS:
+    if prog in PYTHONS or re.fullmatch(r"(\S+/bin/)?python(3(\.\d+)?)?", prog):
         return check_python(args)
     if Path(prog).name == "pip":
         return check_pip(args)
     handlers = {"bash": check_bash, "torchrun": check_torchrun, "lm_eval": check_lm_eval,
-                "hf": check_hf}
+                "hf": check_hf, "docker": check_container_build,
+                "apptainer": check_container_build, "enroot": check_container_build}
     if prog in handlers:
         assert not env, f"{prog}: environment {env} is not checked"
         return handlers[prog](args)
@@ -325,7 +336,7 @@ def test_readme_links_resolve_and_list_every_doc():
 # --- the step planner's figures, where the docs quote them -------------------------------
 
 PLAN_1B = ("--recipe", "recipes/stem_1b.yaml", "--baseline", "recipes/dense_1b.yaml",
-           "--nodes", "4", "--gpus-per-node", "8", "--hardware", "h200")
+           "--nodes", "4", "--gpus-per-node", "8", "--hardware", "h200", "--details")
 PLAN_1B_LONG = ("--recipe", "recipes/stem_1b_long.yaml", "--baseline",
                 "recipes/dense_1b_long.yaml", *PLAN_1B[4:])
 OPTION = r"\w+/\w+/\w+/\w+/\w+"
@@ -419,3 +430,37 @@ def test_the_readme_quality_table_is_docs_quality_md():
     quoted = {(row[0], model): loss for line in table[2].splitlines()
               for row in [line.strip("| ").split(" | ")] for model, loss in zip(models, row[1:])}
     assert quoted and quoted == measured, f"README: docs/quality.md has {measured}"
+
+
+def test_the_readme_budget_is_what_check_prints():
+    """The stage table's GPU time: the step planner's step of each STEM stage on 4 x 8 H100
+    (published numbers), as `--check` prints it (planning/budget.py)."""
+    from megatron_stem.config import load_recipe
+    from megatron_stem.planning import budget, hardware
+    from megatron_stem.planning.workload import Cluster
+
+    readme = (ROOT / "README.md").read_text()
+    for stage in ("pretrain", "midtrain", "long"):
+        recipe = load_recipe(ROOT / "recipes" / f"stem_1b_{stage}.yaml")
+        step_s = budget.step_seconds(recipe, Cluster(4, 8), hardware.PUBLISHED["h100"])
+        days, hours = step_s * recipe.train.steps / 86400, step_s * recipe.train.steps * 32 / 3600
+        row = re.search(rf"^\| \d [^|]+\|[^\n]*`stem_1b_{stage}` \|[^\n]*$", readme, re.M)
+        assert row and f"| {days:.1f} days, {hours:,.0f} GPU-hours" in row[0], \
+            f"README: stem_1b_{stage} now {days:.1f} days, {hours:,.0f} GPU-hours"
+
+
+TOOLS = sorted(p.stem for p in (ROOT / "tools").glob("*.py"))
+
+
+@pytest.mark.parametrize("name", TOOLS)
+def test_a_tools_help_says_whole_sentences(name, capsys):
+    """`--help`'s description is the tool's docstring cut at a paragraph, never mid-sentence
+    (`__doc__.splitlines()[0]` cut tools/from_hf.py's after "such as")."""
+    from support.processes import tool
+
+    with pytest.raises(SystemExit) as end:
+        tool(name)(["--help"])
+    assert end.value.code == 0
+    text = capsys.readouterr().out
+    description = text.split("\n\n")[1].strip()
+    assert description[-1] in ".:)", f"tools/{name}.py --help: {description!r}"

@@ -54,7 +54,7 @@ def problems(sources: dict[str, str]) -> list[str]:
 
     def visit(m, path):
         state[m] = 1
-        for t in sorted(graph[m]):  # in one order: the same cycle is found every run
+        for t in sorted(graph[m]):  # (a set: its order changes with the hash seed)
             if state.get(t) == 1:
                 found.append("cycle: " + " -> ".join(path[path.index(t):] + [m, t]))
             elif t not in state:

@@ -77,7 +77,7 @@ def run(args) -> None:
 
 @cli
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     add_model_arguments(ap)  # a dense baseline must share the tokenizer
     dense = ap.add_mutually_exclusive_group()
     dense.add_argument("--dense-checkpoint", help="dense baseline checkpoint to compare with")

@@ -18,10 +18,16 @@ from megatron_stem.hf.import_model import import_hf
 
 @cli
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hf", required=True, help="HF model folder: a tools/to_hf.py export or a LlamaForCausalLM")
-    ap.add_argument("--save-dir", required=True, help="checkpoint save dir to write into")
-    ap.add_argument("--step", type=int, default=0, help="iteration number of the checkpoint")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hf", required=True,
+                    help="Hugging Face model folder: a tools/to_hf.py export, or a "
+                         "LlamaForCausalLM such as meta-llama/Llama-3.2-1B's")
+    ap.add_argument("--save-dir", required=True,
+                    help="the checkpoint save dir to write into (a recipe's train.init_from "
+                         "names it)")
+    ap.add_argument("--step", type=int, default=0,
+                    help="iteration number of the checkpoint (default: %(default)s)")
     args = ap.parse_args(argv)
     out = import_hf(args.hf, args.save_dir, args.step)
     print(f"wrote {out}")

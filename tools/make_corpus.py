@@ -67,13 +67,13 @@ def entries(dictd: Path):
         yield headword, clean(_decode(data[offset:offset + length]))
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dictd", required=True, type=Path,
                     help="folder with gcide.index and gcide.dict.dz")
     ap.add_argument("--every", type=int, default=4, help="keep every n-th entry")
     ap.add_argument("--output", type=Path, default=Path("data_corpus/gcide.jsonl.gz"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     for name in ("gcide.index", "gcide.dict.dz"):
         if not (args.dictd / name).is_file():
             sys.exit(f"error: --dictd {args.dictd}: no {name} there")

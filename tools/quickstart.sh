@@ -23,7 +23,8 @@ if [ ! -f "$OUT/data/gcide_text_document.idx" ]; then
       --tokenizer-model "$OUT/tokenizer/gcide.model" --append-eod --workers "$NPROC" \
       --single-prefix
 fi
-OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
+# torchrun as the sbatch scripts run it (slurm/torchrun.py): a mistake is one line, once
+OMP_NUM_THREADS=1 "$PY" slurm/torchrun.py --standalone --nproc_per_node "$NPROC" \
     -m megatron_stem.train --recipe recipes/tiny_cpu.yaml \
     "data.prefixes=[$OUT/data/gcide_text_document]" \
     "data.tokenizer_model=$OUT/tokenizer/gcide.model" "train.save_dir=$OUT/ckpt" "$@"

@@ -1,7 +1,7 @@
 """Check a megatron-stem checkpoint whole: every file there, at its size and checksum, and
 every pickle in it data only (loading it runs no code).
 
-    python tools/verify_checkpoint.py --checkpoint runs/stem_1b [--all]
+    python tools/verify_checkpoint.py --checkpoint runs/stem-1b/checkpoints [--all]
 
 `--checkpoint` is a save dir (the checkpoint a resume would take: `latest`'s, else the
 newest whole one, each refusal said in one line) or one iter_N folder; `--all` checks

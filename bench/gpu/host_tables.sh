@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Prepared for one H200/H100 (about 10 minutes). NOT RUN YET: no GPU was lent to the
-# session that wrote it; the CPU run of the same script is in bench/README.md.
+# Prepared for one H200/H100 (about 10 minutes); not yet run on a GPU (the CPU run of the
+# same script is in bench/README.md).
 # Host-resident against device-resident STEM tables on a 1B-shaped model cut to 4 layers
 # (d 2048, 32/8 heads, d_ff 8192, table rows 128,256, seq 2048, STEM at layers 1 and 3),
 # bf16, 4 micro-batches of 4 x 2048 tokens of real text per step (the shipped GCIDE

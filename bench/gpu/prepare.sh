@@ -4,10 +4,12 @@
 # no deepspeed, megatron-core, pydantic, hjson (its image has numpy, pyyaml, sentencepiece,
 # einops, msgpack, psutil, py-cpuinfo, ninja, tqdm, packaging: see the device KINDS.md).
 # Writes .whl/ (git-ignored; carried to the machine with `carry: [".whl"]`), < 64 MiB.
+# Runs from any checkout, with the pip of the Python on the PATH (PIP: another, e.g. a
+# virtualenv's "python -m pip"; deepspeed's wheel builds faster where torch imports).
 #   bash bench/gpu/prepare.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PIP="${PIP:-/work/main/.venv/bin/python -m pip}"
+PIP="${PIP:-python3 -m pip}"
 rm -rf .whl && mkdir -p .whl
 # deepspeed is an sdist: a pure-Python wheel (its ops JIT-build there with ninja + g++)
 DS_BUILD_OPS=0 $PIP wheel -q --no-deps --no-build-isolation -w .whl deepspeed==0.19.8 \

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# What a user asks first of one H200, in stages of their own limits (<= 120 s each, 480 s
-# in all); a stage that fails or runs out of time is recorded and the next one runs:
+# What a user asks first of one H100 or H200, in stages of their own limits (<= 120 s each,
+# 480 s in all: with the machine's start and the install, within 15 minutes); a stage that
+# fails or runs out of time is recorded and the next one runs:
 #   build        DeepSpeed's CPU Adam and the tables' row Adam (tools/build_ops.py --within):
 #                not built in time, the later stages run the tables' torch kernel;
 #   data         a 4,096-piece tokenizer and the shipped corpus (data_corpus/) tokenized;
@@ -18,10 +19,15 @@
 #   tables_host  lazy updates, state in CPU memory, no overlap: what host placement runs);
 #   long_context one 32,768-token sequence per step with document masking (micro-batch 1,
 #                the dense model): time and memory;
-#   refit        the h200 profile refit and the planner's tables for the 1B pair on 4 x 8.
-# Writes to $OUT: summary.json (one object per stage: name, status, seconds, limit_s,
-# figures), summary.txt (the same as a table), each stage's log (<stage>.log) and figures
-# (<stage>.json), h200.json, plan_today.txt, plan_best.txt. Needs the wheels of
+#   refit        the planner's profile of the GPU measured (h100 or h200) refit, and the
+#                planner's tables for the 1B pair on 4 x 8 of them.
+# A trainer stage asks for the samples of its steps and a tenth more at most (the trainer
+# is stopped once it has logged them: no checkpoint or evaluation falls due).
+# Writes to $OUT six small files: summary.json (one object per stage: name, status, gpu,
+# seconds, limit_s, figures), summary.txt (the same as a table), run_all.log (every stage's
+# output, the last 256 kB of each), <profile>.json (the refit profile: h100.json or
+# h200.json), plan_today.txt, plan_best.txt. Data, caches, run folders and the stages' own
+# logs go to $WORK (default: a new folder under /tmp). Needs the wheels of
 # bench/gpu/prepare.sh in .whl/ (carried: ".whl"). Runs on the torch it finds.
 #   bash bench/gpu/run_all.sh                    # on the GPU machine
 #   DRY_RUN=1 bash bench/gpu/run_all.sh          # here: the same stages at toy sizes on CPU
@@ -29,8 +35,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$(mktemp -d)}"
-mkdir -p "$OUT"
-DATA="$OUT/data"
+WORK="${WORK:-$(mktemp -d /tmp/stem_gpu.XXXXXX)}"
+mkdir -p "$OUT" "$WORK/logs"
+DATA="$WORK/data"
+LOG="$OUT/run_all.log"
+LOG_TAIL_BYTES=262144  # of each stage's output in $LOG
 COMMON=("data.prefixes=[$DATA/gcide_text_document]" "data.tokenizer_model=$DATA/gcide.model"
         data.tokenizer_type=sentencepiece data.split=99,1,0 optimizer.warmup_steps=5
         train.global_batch_size=16 model.num_layers=4)
@@ -51,28 +60,34 @@ else
     TINY=(); SMOKE=(); STEPS=30; LONG=32768; WORKERS=8; SHAPE=(); LIMIT_SCALE=1
     export TORCH_EXTENSIONS_DIR=/tmp/torch_extensions  # DeepSpeed's JIT ops
 fi
+# The GPU every stage runs on, and the planner profile it refits (none for another GPU).
+IFS=$'\t' read -r PROFILE GPU < <("$PY" bench/gpu/device.py ${TINY[@]+"${TINY[@]}"})
 start=$SECONDS
-stamp() { echo "[run_all] $(( SECONDS - start )) s: $*"; }
+stamp() { echo "[run_all] $(( SECONDS - start )) s: $*" | tee -a "$LOG"; }
+stamp "on ${GPU:-an unknown device}; work folder $WORK"
 
 # stage NAME LIMIT COMMAND...: COMMAND under LIMIT seconds (times LIMIT_SCALE), its output in
-# $OUT/NAME.log, recorded in the summary; a failure is said and returned, not fatal.
+# $WORK/logs/NAME.log (its end in $LOG), recorded in the summary; a failure is said and
+# returned, not fatal.
 stage() {
-    local name=$1 limit=$2 began=$SECONDS rc=0 status=ok
+    local name=$1 limit=$2 began=$SECONDS rc=0 status=ok own="$WORK/logs/$1.log"
     shift 2
     stamp "$name (limit $limit s)"
     if [[ " ${FAIL_STAGE:-} " == *" $name "* ]]; then
-        echo "made to fail (FAIL_STAGE)" > "$OUT/$name.log"
+        echo "made to fail (FAIL_STAGE)" > "$own"
         rc=1
     else
-        timeout --kill-after=10 $(( limit * LIMIT_SCALE )) "$@" > "$OUT/$name.log" 2>&1 || rc=$?
+        timeout --kill-after=10 $(( limit * LIMIT_SCALE )) "$@" > "$own" 2>&1 || rc=$?
     fi
     if (( rc == 124 || rc == 137 )); then
         status=timeout
     elif (( rc )); then
         status="failed (exit $rc)"
     fi
-    "$PY" bench/gpu/summary.py record "$OUT" "$name" "$status" $(( SECONDS - began )) "$limit"
-    [[ "$status" == ok ]] || { stamp "$name: $status"; tail -n 5 "$OUT/$name.log"; }
+    { echo "----- $name: $status"; tail -c "$LOG_TAIL_BYTES" "$own"; } >> "$LOG"
+    "$PY" bench/gpu/summary.py record "$OUT" "$WORK" "$name" "$status" $(( SECONDS - began )) \
+        "$limit" "$GPU"
+    [[ "$status" == ok ]] || { stamp "$name: $status"; tail -n 5 "$own"; }
     return $rc
 }
 # train NAME LIMIT STEPS RECIPE OVERRIDES...: a stage of the real trainer (bench/gpu/trainer.py)
@@ -80,8 +95,9 @@ train() {
     local name=$1 limit=$2 steps=$3 recipe=$4
     shift 4
     stage "$name" "$limit" "$PY" bench/gpu/trainer.py --recipe "$recipe" --steps "$steps" \
-        ${LOSS_CHECK:+"$LOSS_CHECK"} --figures "$OUT/$name.json" -- "${COMMON[@]}" "${SHAPE[@]}" \
-        "optimizer.tables.kernel=$KERNEL" "train.save_dir=$OUT/runs/$name" "$@"
+        ${LOSS_CHECK:+"$LOSS_CHECK"} --figures "$WORK/$name.json" -- "${COMMON[@]}" \
+        ${SHAPE[@]+"${SHAPE[@]}"} "optimizer.tables.kernel=$KERNEL" \
+        "train.save_dir=$WORK/runs/$name" "$@"
 }
 
 KERNEL=deepspeed
@@ -92,7 +108,7 @@ stage data 25 bash -c "set -e
     '$PY' tools/preprocess_data.py --input data_corpus/gcide.jsonl.gz --json-keys text \
         --output-prefix '$DATA/gcide' --tokenizer-type sentencepiece \
         --tokenizer-model '$DATA/gcide.model' --append-eod --workers $WORKERS"
-stage smoke 80 "$PY" bench/gpu_smoke.py "${SMOKE[@]}" --kernel "$KERNEL"
+stage smoke 80 "$PY" bench/gpu_smoke.py ${SMOKE[@]+"${SMOKE[@]}"} --kernel "$KERNEL"
 STEM=("model.stem_layers=[1,3]")
 train train_dense 60 "$STEPS" recipes/dense_1b.yaml
 train train_stem 75 "$STEPS" recipes/stem_1b.yaml "${STEM[@]}" optimizer.tables.device=accelerator
@@ -102,12 +118,13 @@ train tables_host 45 10 recipes/stem_1b.yaml "${HOST[@]}" tables.placement=host
 LOSS_CHECK=--no-loss-check train long_context 40 3 recipes/dense_1b.yaml data.reset_position_ids=true \
     data.reset_attention_mask=true data.eod_mask_loss=true "model.seq_length=$LONG" \
     train.micro_batch_size=1 train.global_batch_size=1
-PROFILE="$OUT/h200.json"
+PROFILE_FILE="$OUT/${PROFILE:-none}.json"
 PAIR="--recipe recipes/stem_1b.yaml --baseline recipes/dense_1b.yaml --nodes 4 --gpus-per-node 8"
-PAIR+=" --hardware h200 --profile $PROFILE"
+PAIR+=" --hardware ${PROFILE:-none} --profile $PROFILE_FILE"
 stage refit 55 bash -c "set -e
-    '$PY' -m megatron_stem.planning.calibrate --gpu h200 ${TINY[*]} --kernel $KERNEL \
-        --out '$PROFILE'
+    [[ -n '$PROFILE' ]] || { echo 'no published planner profile for ${GPU:-this device}'; exit 3; }
+    '$PY' -m megatron_stem.planning.calibrate --gpu '$PROFILE' ${TINY[*]} --kernel $KERNEL \
+        --out '$PROFILE_FILE'
     '$PY' tools/plan_step.py $PAIR > '$OUT/plan_today.txt'
     '$PY' tools/plan_step.py $PAIR --choose best > '$OUT/plan_best.txt'"
 

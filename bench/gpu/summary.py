@@ -1,12 +1,12 @@
 """The summary of bench/gpu/run_all.sh: `$OUT/summary.json`, one object per stage (status,
-seconds, limit, figures), and the same as a table in `$OUT/summary.txt`.
+the GPU it ran on, seconds, limit, figures), and the same as a table in `$OUT/summary.txt`.
 
-    python bench/gpu/summary.py record OUT NAME STATUS SECONDS LIMIT [key=value ...]
+    python bench/gpu/summary.py record OUT WORK NAME STATUS SECONDS LIMIT GPU [key=value ...]
     python bench/gpu/summary.py table OUT
 
 `record` adds stage NAME (replacing an earlier record of it): its figures are the
-`key=value` pairs given (values read as JSON where they parse), `OUT/NAME.json` when the
-stage wrote one, and each `OUT/NAME.<part>.json` under the key `<part>`. Standard library
+`key=value` pairs given (values read as JSON where they parse), `WORK/NAME.json` when the
+stage wrote one, and each `WORK/NAME.<part>.json` under the key `<part>`. Standard library
 only: it runs before anything is installed.
 """
 
@@ -30,12 +30,12 @@ def _value(text: str):
         return text
 
 
-def figures(out: Path, name: str, pairs: list[str]) -> dict:
+def figures(work: Path, name: str, pairs: list[str]) -> dict:
     found = {}
-    own = out / f"{name}.json"
+    own = work / f"{name}.json"
     if own.is_file():
         found.update(json.loads(own.read_text()))
-    for part in sorted(out.glob(f"{name}.*.json")):
+    for part in sorted(work.glob(f"{name}.*.json")):
         found[part.name[len(name) + 1:-len(".json")]] = json.loads(part.read_text())
     for pair in pairs:
         key, _, value = pair.partition("=")
@@ -43,12 +43,12 @@ def figures(out: Path, name: str, pairs: list[str]) -> dict:
     return found
 
 
-def record(out: Path, name: str, status: str, seconds: float, limit: float,
-           pairs: list[str]) -> dict:
+def record(out: Path, work: Path, name: str, status: str, seconds: float, limit: float,
+           gpu: str, pairs: list[str]) -> dict:
     path = out / "summary.json"
     stages = json.loads(path.read_text()) if path.is_file() else []
-    entry = {"name": name, "status": status, "seconds": seconds, "limit_s": limit,
-             "figures": figures(out, name, pairs)}
+    entry = {"name": name, "status": status, "gpu": gpu, "seconds": seconds,
+             "limit_s": limit, "figures": figures(work, name, pairs)}
     stages = [s for s in stages if s["name"] != name] + [entry]
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(stages, indent=1) + "\n")
@@ -63,6 +63,7 @@ def _cells(figures_of: dict) -> list[str]:
 
 def table(out: Path) -> str:
     stages = json.loads((out / "summary.json").read_text())
+    gpus = sorted({s.get("gpu", "") for s in stages})
     head = ["stage", "status", "s", "limit", *(label for _, label, _ in SHOWN)]
     rows = []
     for s in stages:
@@ -73,13 +74,14 @@ def table(out: Path) -> str:
         rows += [[f"  {part}", "", "", "", *_cells(f)] for part, f in parts.items()]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *rows]]
-    return "\n".join(lines) + "\n"
+    return f"on {', '.join(gpus)}\n" + "\n".join(lines) + "\n"
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["record"] and len(argv) >= 6:
-        out, name, status, seconds, limit = argv[1:6]
-        record(Path(out), name, status, float(seconds), float(limit), argv[6:])
+    if argv[:1] == ["record"] and len(argv) >= 8:
+        out, work, name, status, seconds, limit, gpu = argv[1:8]
+        record(Path(out), Path(work), name, status, float(seconds), float(limit), gpu,
+               argv[8:])
         return 0
     if argv[:1] == ["table"] and len(argv) == 2:
         text = table(Path(argv[1]))

@@ -4,9 +4,11 @@ figures: one stage of bench/gpu/run_all.sh.
     python bench/gpu/trainer.py --recipe recipes/stem_1b.yaml --steps 30 --log-every 5 \
         --figures stem.json [section.field=value ...]
 
-The trainer runs unmodified, its step count set far beyond `--steps` (so that no
-checkpoint or validation falls due: a 1B-shaped STEM model's checkpoint is tens of GB);
-once it has logged step `--steps` it is stopped (SIGKILL: SIGTERM would save). Its log lines
+The trainer runs unmodified, its step count set a tenth beyond `--steps` (`asked_steps`:
+it builds the data for those steps' samples only, `asked_samples`), its checkpoint and
+validation intervals beyond that (none falls due: a 1B-shaped STEM model's checkpoint is
+tens of GB); once it has logged step `--steps` it is stopped (SIGKILL: SIGTERM would
+save). Its log lines
 give the figures: tokens/s and the step's split over the last logged interval (the first
 ones include warm-up), MFU (the trainer's, as the field counts it: 6 x active parameters
 plus attention per token, against `train.peak_flops`; computed the same way on a CPU, where
@@ -32,7 +34,7 @@ LINE = re.compile(
     rf"^step (\d+)/\d+ \| loss {NUMBER} \|.*\| step {NUMBER} ms \(fwd/bwd {NUMBER}, "
     rf"backbone {NUMBER}, tables {NUMBER}, exposed tables {NUMBER}\) \| {NUMBER} tok/s"
     rf" \([^)]*\)(?: \| MFU {NUMBER}%)?.*\| peak mem {NUMBER} GB")
-FAR = 1_000_000  # steps, save and eval intervals that never fall due
+FAR = 1_000_000  # save and eval intervals that never fall due
 
 
 def _number(text: str | None) -> float | None:
@@ -52,13 +54,22 @@ def parse(line: str) -> dict | None:
                                              "tables_step": tables, "tables_exposed": exposed}}
 
 
+def asked_steps(steps: int) -> int:
+    """The trainer's `train.steps` for a stage of `steps`: a tenth more (rounded down), so
+    that step `steps` is not its last (the last step saves and evaluates)."""
+    return steps + steps // 10
+
+
 def figures(lines: list[dict], recipe, steps: int) -> dict:
-    """The stage's figures from the step lines it logged."""
+    """The stage's figures from the step lines it logged (`recipe`: as the trainer ran it)."""
     from megatron_stem.model.accounting import mfu
     from megatron_stem.config.table_layout import TableLayout
+    from megatron_stem.training.batches import Samples
 
+    asked = {"asked_steps": recipe.train.steps,
+             "asked_samples": Samples.of(recipe, data_parallel=1).train}
     if not lines:
-        return {"steps": 0}
+        return {"steps": 0, **asked}
     first, last = lines[0], lines[-1]
     if last["mfu"] is None:  # a CPU: the trainer logs MFU on GPUs only
         last["mfu"] = mfu(last["tokens_per_s"], recipe.model, recipe.train.peak_flops, 1)
@@ -69,16 +80,21 @@ def figures(lines: list[dict], recipe, steps: int) -> dict:
             "tokens_per_step": recipe.train.global_batch_size * recipe.model.seq_length,
             "tables": str(TableLayout.of(recipe)) if recipe.model.stem_layers != "none" else None,
             "kernel": recipe.optimizer.tables.kernel, "torch": metadata.version("torch"),
-            "reached": last["step"] >= steps}
+            "reached": last["step"] >= steps, **asked}
 
 
-def run(recipe_path: str, overrides: list[str], steps: int, log_every: int, log) -> list[dict]:
-    """Run the trainer until it logs step `steps`; its step lines' figures."""
-    far = [f"train.steps={FAR}", f"train.save_interval={FAR}", f"train.eval_interval={FAR}",
-           f"train.log_interval={log_every}"]
+def stage_overrides(steps: int, log_every: int) -> list[str]:
+    """What the stage sets besides the recipe's overrides (the module docstring)."""
+    return [f"train.steps={asked_steps(steps)}", f"train.save_interval={FAR}",
+            f"train.eval_interval={FAR}", f"train.log_interval={log_every}"]
+
+
+def run(recipe_path: str, overrides: list[str], steps: int, log) -> list[dict]:
+    """Run the trainer with `overrides` until it logs step `steps`; its step lines'
+    figures."""
     trainer = subprocess.Popen(
-        [sys.executable, "-m", "megatron_stem.train", "--recipe", recipe_path, *overrides,
-         *far], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        [sys.executable, "-m", "megatron_stem.train", "--recipe", recipe_path, *overrides],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
         start_new_session=True)
     lines = []
     try:
@@ -111,12 +127,13 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     from megatron_stem.config import load_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    # a step line at step `--steps` itself
+    overrides = args.overrides + stage_overrides(args.steps,
+                                                 math.gcd(args.log_every, args.steps))
+    recipe = load_recipe(args.recipe, overrides)
     log_path = Path(args.log or Path(args.figures).with_suffix(".log"))
     with open(log_path, "w") as log:
-        # a step line at step `--steps` itself
-        lines = run(args.recipe, args.overrides, args.steps,
-                    math.gcd(args.log_every, args.steps), log)
+        lines = run(args.recipe, overrides, args.steps, log)
     result = figures(lines, recipe, args.steps)
     Path(args.figures).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))

@@ -44,12 +44,13 @@ class BackgroundSave(ShardWrites):
     def written_here(self) -> bool:
         return self._thread is not None and not self._thread.is_alive()
 
-    def written_everywhere(self) -> bool:
-        """Whether every rank's thread is done (a collective: every rank calls it)."""
-        pending = torch.tensor([0.0 if self.written_here() else 1.0], device=device())
+    def written_everywhere(self, read):
+        """Whether every rank's thread is done (a collective: every rank calls it), as a
+        value of the step's host read `read` (runtime/host_read.py): true once read."""
+        pending = torch.full((1,), 0.0 if self.written_here() else 1.0, device=device())
         if dist.is_initialized():
             dist.all_reduce(pending, op=dist.ReduceOp.MAX)
-        return pending.item() == 0
+        return read.add(pending == 0)
 
     def finish(self, folder: Path) -> dict[str, dict]:
         """Wait for this rank's files, then finalize with every rank (`ShardWrites.finish`):

@@ -8,6 +8,7 @@ One `Checkpointer` per run, made by `training/loop.py` once the process group ex
     engine, tables, update = build_engine(model, recipe)
     step = checkpointer.resume(model, engine, tables)
     ...
+    checkpointer.share(read)                     # each step: a save in flight written?
     checkpointer.save(step, force=stop)          # every train.save_interval, last, on a stop
 
 The weights go in before the engine exists because DeepSpeed (and `TableOptimizer`, for
@@ -61,6 +62,7 @@ from megatron_stem.checkpoint.train_state import (
 from megatron_stem.checkpoint.verify import check_same_shape
 from megatron_stem.config import Recipe
 from megatron_stem.runtime.errors import UserError
+from megatron_stem.runtime.host_read import HostRead
 from megatron_stem.tables.shards import ROW_ORDER, check_row_order
 
 
@@ -103,6 +105,7 @@ class Checkpointer:
         self._weights_loaded = False
         self._parts = None  # (model, engine, tables), given by `resume`
         self._in_flight: _InFlight | None = None  # until every rank has written it
+        self._written = None  # this step's "every rank has written it", a HostValue
 
     def origin(self) -> str:
         """Where the run starts, as its first log line says it."""
@@ -173,10 +176,17 @@ class Checkpointer:
         if dist.get_rank() == 0:
             point_latest(self.save_dir, Path(ckpt))
 
+    def share(self, read) -> None:
+        """While a save is written in the background: whether every rank has written it,
+        into the step's host read `read` (runtime/host_read.py; a collective: every rank
+        calls it), which `save` then commits on."""
+        if self._in_flight is not None:
+            self._written = self._in_flight.background.written_everywhere(read)
+
     def save(self, step: int, force: bool = False) -> bool:
         """Save a complete checkpoint of `step` when one is due (or `force`: a stop), on
         every rank together (call it after every step: it also commits a background save
-        that every rank has written); returns whether it saved.
+        that every rank had written by the step's `share`); returns whether it saved.
 
         With `train.async_save` the step waits only while the state is copied to host
         memory; the files are written in the background (`checkpoint/background.py`) and the
@@ -184,8 +194,11 @@ class Checkpointer:
         are durable. At most one save is in flight: a save due before the last one is
         written waits for it. A stop or the last step waits for its own save too."""
         train = self.recipe.train
-        if self._in_flight is not None and self._in_flight.background.written_everywhere():
-            self._commit_in_flight()
+        if self._in_flight is not None:
+            written = self._written or self._in_flight.background.written_everywhere(HostRead())
+            if written.get():
+                self._commit_in_flight()
+        self._written = None
         if not (force or step % train.save_interval == 0 or step == train.steps):
             return False
         if self._parts is None:

@@ -1,7 +1,8 @@
 """Which checkpoint to read: in a save dir, the one `latest` names, or the newest whole one
 before it when that one is damaged (each refusal and the fallback said in one line); for
-`train.init_from`, a checkpoint folder, a previous stage's run folder or its recipe; and
-whether a run has nothing left to train. Every rank agrees on rank 0's view of a folder."""
+`train.init_from`, a checkpoint folder, a previous stage's run folder or its recipe (where
+that recipe's last run saves, recorded by `record_stage`); and whether a run has nothing
+left to train. Every rank agrees on rank 0's view of a folder."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from megatron_stem.checkpoint.layout import (
 from megatron_stem.checkpoint.train_state import TRAIN_STATE, load_train_state
 from megatron_stem.checkpoint.verify import verify
 from megatron_stem.config import Recipe, load_recipe
+from megatron_stem.runtime.durable import read_json, write_json
 from megatron_stem.runtime.errors import UserError
 
 
@@ -96,14 +98,64 @@ def _from_rank0(value):
     return box[0]
 
 
+# Beside a recipe's own `train.save_dir`: where the last run of that recipe saves instead.
+STAGE_RECORD_SUFFIX = ".where"
+
+
+class StagePending(UserError):
+    """The stage `train.init_from` names has not finished (or not started): its checkpoints
+    will be in `save_dir`; `status` says how far it is."""
+
+    def __init__(self, message: str, save_dir: Path, status: str):
+        super().__init__(message)
+        self.save_dir, self.status = save_dir, status
+
+
+def stage_record(recipe_file: str | Path) -> Path:
+    """The file that says where runs of `recipe_file` save, beside its own save dir."""
+    own = Path(load_recipe(recipe_file).train.save_dir)
+    return own.with_name(own.name + STAGE_RECORD_SUFFIX)
+
+
+def record_stage(recipe_file: str | Path, recipe: Recipe, say: Callable[[str], None] = print
+                 ) -> None:
+    """Say where this run of `recipe_file` saves, for a next stage whose `train.init_from`
+    names the recipe: a run that saves elsewhere than the file says (`STEM_OUTPUT`,
+    `STEM_SAVE_DIR`, another job name) leaves `<its save_dir>.where` naming the folder; one
+    that saves where the file says removes an older one. A run of other `train.steps` than
+    the file's (a trial, a smoke test) is no stage's end and records nothing. Rank 0 only."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    own = load_recipe(recipe_file).train
+    if recipe.train.steps != own.steps:
+        return
+    record, saves = stage_record(recipe_file), Path(recipe.train.save_dir).resolve()
+    try:
+        if saves == Path(own.save_dir).resolve():
+            record.unlink(missing_ok=True)
+            return
+        record.parent.mkdir(parents=True, exist_ok=True)
+        write_json(str(record), {"save_dir": str(saves), "recipe": str(recipe_file),
+                                 "job": os.environ.get("SLURM_JOB_ID")})
+    except OSError as e:
+        say(f"warning: cannot record where this stage saves in {record} ({e.strerror}): a "
+            f"next stage finds these checkpoints by train.init_from={saves} only")
+        return
+    say(f"stage: saving to {saves}; a next stage's train.init_from: {recipe_file} reads it "
+        f"({record})")
+
+
 def stage_start(init_from: str) -> Path:
     """The checkpoint `train.init_from` names: a checkpoint folder as it is (an iter_N, or
     what tools/from_hf.py wrote), or the previous stage by its run folder (a save_dir) or its
-    recipe (whose train.save_dir is the run folder): that run's last complete checkpoint
-    (`latest`, or the newest whole one before it), refused while the stage has not trained
-    its train.steps (its recipe's, else those its checkpoint's recipe.yaml records)."""
+    recipe (its last run's save dir, `record_stage`, else the recipe's train.save_dir): that
+    run's last complete checkpoint (`latest`, or the newest whole one before it), refused
+    (`StagePending`) while the stage has not trained its train.steps (its recipe's, else
+    those its checkpoint's recipe.yaml records)."""
     try:
         return _stage_start(init_from)
+    except StagePending as e:
+        raise StagePending(f"train.init_from: {e}", e.save_dir, e.status) from None
     except UserError as e:
         raise UserError(f"train.init_from: {e}") from None
 
@@ -112,10 +164,12 @@ def _stage_start(init_from: str) -> Path:
     source, steps = Path(init_from), None
     if source.suffix in (".yaml", ".yml"):
         previous = load_recipe(source)
-        source, steps = Path(previous.train.save_dir), previous.train.steps
+        recorded = read_json(str(stage_record(source)))
+        source = Path(recorded["save_dir"] if recorded else previous.train.save_dir)
+        steps = previous.train.steps
         if not source.is_dir():
-            raise UserError(f"{init_from}: its run folder {source} does not exist: that stage "
-                            "has not started")
+            raise StagePending(f"{init_from}: its run folder {source} does not exist: that "
+                               "stage has not started", source, "not started yet")
     if (source / COMPLETE).is_file() or not source.is_dir():
         return resolve(source)  # a checkpoint folder, named as it is
     try:
@@ -124,15 +178,17 @@ def _stage_start(init_from: str) -> Path:
         raise UserError(f"{init_from}: {source} holds no whole checkpoint (each one refused "
                         "above)") from None
     if ckpt is None:
-        raise UserError(f"{init_from}: {source} holds no checkpoint: that stage has not saved one")
+        raise StagePending(f"{init_from}: {source} holds no checkpoint: that stage has not "
+                           "saved one", source, "no checkpoint yet")
     if not (ckpt / TRAIN_STATE).is_file():
         return ckpt  # weights only (an import): no steps to have finished
     step = load_train_state(ckpt)["step"]
     steps = steps if steps is not None else read_recipe(ckpt).train.steps
     if step < steps:
-        raise UserError(f"{init_from}: that stage has not finished: its last complete "
-                        f"checkpoint, {ckpt}, is at step {step} of its train.steps={steps} "
-                        f"(train it to the end, or name {ckpt} to start from it as it is)")
+        raise StagePending(f"{init_from}: that stage has not finished: its last complete "
+                           f"checkpoint, {ckpt}, is at step {step} of its train.steps={steps} "
+                           f"(train it to the end, or name {ckpt} to start from it as it is)",
+                           source, f"at step {step} of {steps}")
     return ckpt
 
 

@@ -146,6 +146,15 @@ class ParallelConfig:
     # whole logits (model/loss.py; one more output-layer GEMM per token); 0: all positions
     # at once (megatron's path).
     loss_chunk_tokens: int = 0
+    # Minutes a collective may wait for the slowest rank before the job fails (torch's
+    # process-group timeout; NCCL's watchdog aborts then, TORCH_NCCL_ASYNC_ERROR_HANDLING).
+    # Long enough for the slowest thing every rank waits for together: a checkpoint save
+    # or load of the 1B model on slow storage, lm-eval in the loop; short enough that a
+    # hung rank ends the job well before its time limit (docs/troubleshooting.md).
+    timeout_minutes: int = 30
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "timeout_minutes": Range(low=1, high=24 * 60, why="minutes; a day at most")}
 
     def validate(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel"):

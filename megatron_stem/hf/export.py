@@ -11,6 +11,7 @@ shape, so nothing is dropped or invented silently. The export is written into
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import warnings
 from pathlib import Path
@@ -32,6 +33,7 @@ from megatron_stem.hf.safetensors_io import (
     write_index,
 )
 from megatron_stem.model import rope_scaling, row_cache
+from megatron_stem.runtime import durable
 from megatron_stem.runtime.errors import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -105,10 +107,24 @@ def export(checkpoint_dir: str | Path, output: str | Path, dtype: Optional[str] 
     tmp = output.with_name(output.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed export
     tmp.mkdir(parents=True)
-    _write_weights(reader, maps, tmp, out_dtype, max_shard_bytes)
-    write_model_files(tmp, model, str(out_dtype).removeprefix("torch."), tok)
+    try:
+        _write_weights(reader, maps, tmp, out_dtype, max_shard_bytes)
+        write_model_files(tmp, model, str(out_dtype).removeprefix("torch."), tok)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left
+        if not durable.full(tmp.parent, e):
+            raise
+        raise UserError(f"no space left on device writing {output} (about "
+                        f"{_export_bytes(reader, maps, out_dtype) / 1e9:.1f} GB); nothing was "
+                        "kept: free space, or choose another --output") from None
     tmp.rename(output)
     return output
+
+
+def _export_bytes(reader: CheckpointReader, maps, dtype: torch.dtype) -> int:
+    """What the export's weights take on disk."""
+    return sum(math.prod(reader.shape(key)) for key in {m.megatron for m in maps}) * \
+        dtype.itemsize
 
 
 def write_model_files(folder: Path, model: ModelConfig, dtype: str,

@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -293,6 +294,30 @@ def _gpu(name: str, memory_bw: float, memory_bytes: float) -> Hardware:
 
 PUBLISHED = {"h100": _gpu("h100", 3.35e12, 80e9), "h200": _gpu("h200", 4.8e12, 141e9)}
 NAMES = (*PUBLISHED, "cpu")
+
+
+def detect(query=None) -> tuple[str | None, str]:
+    """This machine's GPU as a profile name, and what `nvidia-smi` said of it: (name, said),
+    or (None, why not) when it has no GPU or one without a profile. `query()` returns
+    nvidia-smi's lines (for tests)."""
+    try:
+        lines = (query or _nvidia_smi)()
+    except (OSError, subprocess.SubprocessError):
+        return None, "no GPU here (nvidia-smi did not run)"
+    names = sorted({line.strip() for line in lines if line.strip()})
+    if not names:
+        return None, "no GPU here (nvidia-smi lists none)"
+    said = f"nvidia-smi: {', '.join(names)}"
+    profiles = {name for name in PUBLISHED for gpu in names if name in gpu.lower()}
+    if len(profiles) != 1:
+        return None, f"{said}, which has no profile of its own"
+    return profiles.pop(), said
+
+
+def _nvidia_smi() -> list[str]:
+    return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                          capture_output=True, text=True, timeout=30,
+                          check=True).stdout.splitlines()
 
 
 def load(name: str, cache_dir: Path = CACHE_DIR) -> Hardware:

@@ -23,9 +23,9 @@ module counts what the same path does in place, per rank per step, all tables:
   on the accelerator, before the grads leave it.
 * `split_bytes`: sharded grads are one [rows, tables x width] tensor; each table's slice is
   made contiguous before it is handed to the state (`g.contiguous()`).
-* `norm_gather_bytes`: `grad_norm_sq` (in DeepSpeed's step): the owners' ids and squares
-  all-gathered (`all_gather_varying`: counts, then two tensors; the counts read), their
-  sum read (`float`).
+* `norm_rows_bytes`, `norm_reduce_bytes`: `grad_norm_sq` (in DeepSpeed's step): the
+  rows' squares placed in a zeroed [vocabulary, tables] fp64 array, all-reduced over the
+  holders of disjoint rows, summed (read with the step's other values: one sync).
 * `placed_bytes`, `place_bytes`: the sharded publication's placing of the gathered rows
   into the table (`index_copy_`), and the own rows gathered out of a table that is its own
   master (`index_select`).
@@ -37,7 +37,7 @@ module counts what the same path does in place, per rank per step, all tables:
 
 from __future__ import annotations
 
-from megatron_stem.planning.traffic import FP32, ID_BYTES, Layout, RowCounts, TableShape
+from megatron_stem.planning.traffic import FP32, Layout, RowCounts, TableShape
 
 
 def collect_bytes(shape: TableShape, tokens: int, counts: RowCounts, dtype_bytes: int) -> float:
@@ -107,14 +107,21 @@ def split_bytes(shape: TableShape, layout: Layout, counts: RowCounts) -> float:
     return 2 * norm_elements(shape, layout, counts) * FP32
 
 
-def norm_gather_bytes(shape: TableShape, layout: Layout, counts: RowCounts) -> float:
-    """Received by this rank in `grad_norm_sq`: every other holder's ids and squares."""
-    holders = layout.dp if layout.partition == "sharded" else (
+def norm_holders(layout: Layout) -> int:
+    """The ranks over which `grad_norm_sq` all-reduces the rows' squares: those that hold
+    disjoint rows' grads (1: every rank holds them all)."""
+    return layout.dp if layout.partition == "sharded" else (
         layout.ranks_per_copy if layout.placement == "host" else 1)
-    if holders <= 1:
-        return 0.0
-    longest = counts.longest_owned()
-    return (holders - 1) * (ID_BYTES + longest * (ID_BYTES + 8 * shape.tables))
+
+
+def norm_rows_bytes(shape: TableShape) -> float:
+    """`grad_norm_sq`'s [vocabulary, tables] array of the rows' squares (fp64)."""
+    return shape.rows * shape.tables * 8
+
+
+def norm_reduce_bytes(shape: TableShape, layout: Layout) -> float:
+    """All-reduced by this rank in `grad_norm_sq`: the whole array of the rows' squares."""
+    return norm_rows_bytes(shape) if norm_holders(layout) > 1 else 0.0
 
 
 def own_shard_bytes(layout: Layout, gathered: float) -> float:
@@ -140,8 +147,9 @@ def place_bytes(layout: Layout, gathered: float) -> float:
 
 def launch_syncs(layout: Layout) -> int:
     """`next_step`'s launch of the overlapped update: the owners' counts read (`tolist`,
-    DP > 1) and their `unique`; then CPU state's two copies of the needed rows and stages
-    to the host, or the accelerator's three boolean splits of the rows by stage."""
+    DP > 1) and their `unique`; then CPU state's one copy of the needed rows and stages to
+    the host, or the accelerator's three boolean splits of the rows by stage; then the
+    parts' row counts exchanged and read (DP > 1)."""
     if layout.overlap != "next_step":
         return 0
-    return (layout.dp > 1) + 1 + (2 if layout.optimizer == "cpu" else 3)
+    return 2 * (layout.dp > 1) + 1 + (1 if layout.optimizer == "cpu" else 3)

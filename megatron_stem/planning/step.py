@@ -29,7 +29,10 @@ what:
 * `next_step` (the code's, `tables.overlap`): the update runs from the next step's start,
   first the rows that step reads (table by table in forward order: a table's first lookup
   waits for its rows), then the rest, which must be done by the next gradient sync (the
-  trainer's log does not wait for it: `tables.stats(wait=False)`).
+  trainer's log does not wait for it: `tables.stats(wait=False)`). Each job's publication
+  is priced as starting when its arithmetic ends; the code issues it from the main thread
+  at the next lookup or before the last backward (tables/overlap.py), later where the
+  arithmetic ends between those points.
 
 Host placement stages each micro-batch's rows one micro-batch ahead: the staging of the
 first micro-batch is exposed, the others only by what exceeds a micro-batch's compute.
@@ -245,8 +248,10 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
     add("grads to owners (all-to-all)", "net", b, "B",
         hw.alltoall_seconds(b, w.dp, cluster.gpus_per_node) * w.owner_skew, 1, sync)
     memory("finite check of own row grads", passes.finite_bytes(s, c, w.dtype_bytes))
-    memory("norm: row sums of squares (fp64)", passes.norm_bytes(s, lay, c), 1, sync,
-           hw.norm_bw)  # (their sum read in `grad_norm_sq`: a sync)
+    memory("norm: row sums of squares (fp64)", passes.norm_bytes(s, lay, c), 0, sync,
+           hw.norm_bw)
+    memory("norm: the squares in row order, zeroed, placed, summed (fp64)",
+           2 * passes.norm_rows_bytes(s), 1, sync)  # (read with the step's values: a sync)
     memory("tables' grads made contiguous", passes.split_bytes(s, lay, c), 0, sync)
     # Sharded CPU state: into reused pinned buffers on a side stream (comm.HostStaging),
     # queued before DeepSpeed's step and run under it; the replicated path's copies are
@@ -256,9 +261,10 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
     b = traffic.grad_d2h_bytes(s, lay, c)
     add(f"D2H grads ({kind}{', side stream' if pinned else ''})", "d2h", b, "B",
         b / hw.copy_bw(pinned, rpn), 0, UNDER_BACKBONE_STEP if pinned else sync)
-    b = passes.norm_gather_bytes(s, lay, c)
-    add("norm: owners' squares all-gathered", "net", b, "B",
-        hw.allgather_seconds(b, lay.dp, gpn, 2), 3, sync, 1)  # counts, ids, squares
+    b = passes.norm_reduce_bytes(s, lay)
+    holders = passes.norm_holders(lay)
+    add("norm: every row's squares all-reduced (fp64)", "net", b, "B",
+        _ring_seconds(b, holders, 2, hw, min(holders, gpn)), 1, sync)
     add("launch: the next step's rows first", "gpu", passes.launch_syncs(lay), "sync",
         0.0, 2 if lay.dp > 1 else 0, sync, passes.launch_syncs(lay))
     elems = traffic.adam_elements(s, lay, c)

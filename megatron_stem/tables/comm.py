@@ -286,16 +286,18 @@ class Comm:
         self._check("all_to_all", output, tensor)
         dist.all_to_all_single(output, tensor, output_splits, input_splits, group=self.group)
 
-    def all_gather_varying(self, tensors: list[torch.Tensor]):
+    def all_gather_varying(self, tensors: list[torch.Tensor], counts: list[int] | None = None):
         """Every rank's `tensors` (of one first-dimension length per rank, which may differ
         between ranks), gathered padded to the longest: per tensor, the ranks' tensors in
-        rank order, trimmed; and the longest length. The results are valid until the next
-        call (host memory reuses its buffers): read them before."""
+        rank order, trimmed; and the longest length. `counts`: the ranks' lengths when the
+        caller knows them (else exchanged here, and read by the host: one sync). The results
+        are valid until the next call (host memory reuses its buffers): read them before."""
         length = tensors[0].shape[0]
-        count = torch.tensor([length], device=self.devices.accelerator)
-        counts = [torch.empty_like(count) for _ in range(self.size)]
-        self.all_gather(counts, count)
-        counts = [int(c) for c in counts]
+        if counts is None:
+            count = torch.full((1,), length, device=self.devices.accelerator)
+            gathered = [torch.empty_like(count) for _ in range(self.size)]
+            self.all_gather(gathered, count)
+            counts = torch.cat(gathered).tolist()
         longest = max(counts)
         out = []
         for k, t in enumerate(tensors):  # (a CPU run: into buffers reused per call site)

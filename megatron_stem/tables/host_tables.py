@@ -179,10 +179,11 @@ class HostTableStore:
                 self._entries.append(entry)
         self._submit_through(self.lookahead - 1)
 
-    def take_row_grads(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def take_row_grads(self) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         """The step's row gradients: the sorted ids of the rows backwards reached and, per
         table, their summed gradients [rows, width] (in the staging dtype; both on the
-        device; tables/row_grads.py). Releases the staged rows."""
+        device; tables/row_grads.py), and whether every lookup read staged rows (a device
+        bool). Releases the staged rows."""
         self._entries, self._by_key = [], {}
         self._grads_taken = True
         self.stats.add(steps=1)

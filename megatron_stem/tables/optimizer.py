@@ -32,6 +32,7 @@ import torch
 
 from megatron_stem.config.table_layout import TableLayout
 from megatron_stem.runtime import parallel
+from megatron_stem.runtime.host_read import HostRead
 from megatron_stem.tables.adam import AdamKernel
 from megatron_stem.tables.comm import Comm, Devices, HostStaging, tracked
 from megatron_stem.tables.overlap import READY_STAGES, STAGE_NAMES, Job, Overlap
@@ -43,6 +44,7 @@ from megatron_stem.tables.partition import (
     TableState,
 )
 from megatron_stem.tables.row_grads import (
+    LOOKED_UP_OTHERS,
     StepRows,
     host_tokens,
     row_grads_of,
@@ -81,7 +83,9 @@ def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     `isfinite(...).all()` gives the same answer in several passes and a bool tensor as large
     as the input (ten times slower on the CPU here, three kernels or more on a GPU)."""
     ends = [m for t in tensors if t.numel() for m in torch.aminmax(t)]
-    return torch.isfinite(torch.stack(ends)).all() if ends else torch.tensor(True)
+    if not ends:
+        return torch.ones((), dtype=torch.bool, device=tensors[0].device if tensors else None)
+    return torch.isfinite(torch.stack(ends)).all()
 
 
 class TableOptimizer:
@@ -116,10 +120,9 @@ class TableOptimizer:
                 row_grads_of(t.param)
         self.counters = TrafficCounters()  # what the last step moved (see `stats`)
         self._finished = self.counters.as_dict()
-        self.touched_rows = 0  # distinct rows in the last sync_grads (all DP ranks)
-        self.rank_rows = 0  # ... of this rank's micro-batches
+        self.rank_rows = 0  # distinct rows of this rank's micro-batches in the last step
         self._norm_ids = self._squares = None  # after sync_grads: for `grad_norm_sq`
-        self._local_finite = None
+        self._read = None  # after sync_grads: (touched rows, looked up, finite), a HostValue
 
     @property
     def state_on_host(self) -> bool:
@@ -172,6 +175,13 @@ class TableOptimizer:
         if self.overlap is not None:
             self.overlap.finish()
 
+    def publish_rest(self) -> None:
+        """An overlapped update (`overlap: next_step`): publish now what the step's lookups
+        have not (the trainer calls it before the step's last backward, which the
+        publication then runs beside; overlap.py)."""
+        if self.overlap is not None:
+            self.overlap.publish_all()
+
     def close(self) -> None:
         try:
             if self.overlap is not None:
@@ -183,28 +193,52 @@ class TableOptimizer:
     # -- gradients and their norm ---------------------------------------------------------
 
     @tracked
-    def sync_grads(self) -> None:
+    def sync_grads(self, read: HostRead | None = None) -> None:
         """Average each table's row gradients over data parallel onto the rows' owners
         (partition.py), take each row's sum of squares for the norm, then hand the
-        gradients to where the optimizer state is."""
+        gradients to where the optimizer state is. What the host learns of them (the rows
+        touched over data parallel, whether the lookups read the staged rows, whether this
+        rank's gradients were finite) goes into the step's host read `read`
+        (runtime/host_read.py; None: one of its own), read with the gradient norm."""
         self.finish()
         self._finished = self.counters.as_dict()  # the last step's, complete
         self.counters.reset()
-        self.touched_rows = self.rank_rows = 0
+        self.rank_rows = 0
+        self._read = None
         if not self.tables:
             return
-        ids, grads = self._local_row_grads()
+        ids, grads, looked_up = self._local_row_grads()
         self.rank_rows = ids.numel()
-        # Whether this rank's own row gradients were finite, kept on the device (no sync):
-        # read only when the step is skipped, to say whose they were (training/update.py).
-        self._local_finite = all_finite(grads)
-        local, grads, self.touched_rows = self.partition.sync(ids, grads, self.counters)
+        # Whether this rank's own row gradients were finite: said when the step is skipped
+        # (training/update.py).
+        finite = all_finite(grads)
+        local, grads, touched = self.partition.sync(ids, grads, self.counters)
+        if not isinstance(touched, torch.Tensor):  # known on the host: a fill, no copy
+            touched = torch.full((), touched, dtype=torch.float64, device=finite.device)
+        self._read = (read or HostRead()).add(torch.stack([
+            touched.double().reshape(()), looked_up.double().reshape(()), finite.double()]))
         # The norm's squares where the gradients are, before any copy (no pass on the CPU)
         self._squares = torch.stack([g.double().square().sum(1) for g in grads], 1)
         self._norm_ids = self.partition.ids_of(local)
         rows = self._in_state("rows", local)
         for t, g in zip(self.tables, grads):
             t.rows, t.grad = rows, self._in_state(t.name, g, "grad_d2h_bytes")
+
+    def _read_values(self) -> tuple[int, bool]:
+        """(rows touched over data parallel, this rank's gradients finite) of the last
+        `sync_grads`, from the host read; refuses a step whose tables were looked up with
+        other ids than the ones staged (their gradients would be summed into wrong rows)."""
+        if self._read is None:
+            return 0, True
+        touched, looked_up, finite = self._read.get()
+        if not looked_up:
+            raise RuntimeError(LOOKED_UP_OTHERS)
+        return int(touched), bool(finite)
+
+    @property
+    def touched_rows(self) -> int:
+        """Distinct rows in the last `sync_grads`, over every data-parallel rank."""
+        return self._read_values()[0]
 
     def _in_state(self, key, tensor: torch.Tensor, counter: str = "") -> torch.Tensor:
         """`tensor` (on the accelerator) where the optimizer state is: CPU state receives it
@@ -215,34 +249,41 @@ class TableOptimizer:
             return self._staging.copy(key, tensor, self.counters, counter)
         return tensor.contiguous()
 
-    def _local_row_grads(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _local_row_grads(self) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         """This rank's touched rows (sorted) and, per table, their summed gradients over
         the step's micro-batches (in the training dtype, on the accelerator; summed as
-        tables/row_grads.py says, the same way for both placements)."""
+        tables/row_grads.py says, the same way for both placements); and whether every
+        lookup read staged rows (a device bool)."""
         if self.host is not None:
-            ids, grads = self.host.take_row_grads()
+            ids, grads, looked_up = self.host.take_row_grads()
             by_param = {id(m.weight): g for m, g in zip(self.host.modules, grads)}
             grads = [by_param[id(t.param)] for t in self.tables]
-            return ids.to(grads[0].device), grads
+            return ids.to(grads[0].device), grads, looked_up
         return take_same_rows([table_row_grads(t.param) for t in self.tables])
 
     @tracked
-    def grad_norm_sq(self) -> float:
-        """Squared L2 norm of all table grads (after `sync_grads`), with the same bits for
-        every placement and partition on a CPU (so is the clip coefficient): each row's sum
-        of squares (float64, summed over its TP slices), gathered from the ranks that hold
-        disjoint rows' grads into one vector in row order, which is summed once."""
+    def grad_norm_sq(self) -> torch.Tensor:
+        """Squared L2 norm of all table grads (after `sync_grads`), a float64 scalar on the
+        accelerator (read with the step's other values), with the same bits for every
+        placement and partition on a CPU (so is the clip coefficient): each row's sum of
+        squares (float64, summed over its TP slices) put in its place of one [vocabulary,
+        tables] array, zero for the other rows; over the ranks that hold disjoint rows'
+        grads that array is all-reduced (each row's value comes from one rank, the others
+        add zeros: exact); then it is summed once. Nothing is read on the host here: the
+        array's size is known without a count exchanged."""
+        device = self.devices.accelerator
         if not self.tables:
-            return 0.0
+            return torch.zeros((), dtype=torch.float64, device=device)
         ids, squares = self._norm_ids, self._squares  # [rows, tables]
         if self.tp is not None:
             self.tp.all_reduce(squares)
+        every_row = torch.zeros(self.partition.vocab, squares.shape[1], dtype=torch.float64,
+                                device=squares.device)
+        every_row.index_copy_(0, ids, squares)
         holders = self.partition.norm_comm
         if holders is not None and holders.size > 1:
-            (ids, squares), _ = holders.all_gather_varying([ids, squares])
-            ids, squares = torch.cat(ids), torch.cat(squares)
-            squares = squares[torch.argsort(ids)]
-        return float(squares.sum())
+            holders.all_reduce(every_row)
+        return every_row.sum()
 
     # -- update -------------------------------------------------------------------------
 
@@ -253,6 +294,7 @@ class TableOptimizer:
         `next_ids`: the token ids of this rank's next step; with `overlap: next_step` the
         update then finishes in the background while that step runs."""
         self.finish()
+        self._read_values()
         if self.host is not None:
             self.host.wait_idle()  # nothing may read a table while it is written
         self.step_count += 1
@@ -282,11 +324,12 @@ class TableOptimizer:
 
     def local_grads_finite(self) -> bool:
         """Whether this rank's own row gradients of the last `sync_grads` were finite."""
-        return bool(self._local_finite) if self.tables else True
+        return self._read_values()[1]
 
     def skip(self) -> None:
         """Drop the step's gradients without updating anything (a non-finite step,
         training/update.py): no row, moment or step count changes."""
+        self._read_values()
         for t in self.tables:
             t.rows = t.grad = None
         if self.host is not None:
@@ -353,20 +396,39 @@ class TableOptimizer:
             if self.layout.update == "dense" else t0.rows
         at = positions_in(rows, needed)
         stage = torch.where(at >= 0, stage_of[at.clamp(min=0)], READY_STAGES)
-        parts = [rows[stage == k] for k in range(READY_STAGES + 1)]
+        # A step of one micro-batch has no rows for its later ones: no jobs for them.
+        kinds = [*range(min(READY_STAGES, len(next_ids))), READY_STAGES]
+        parts = [rows[stage == k] for k in kinds]
+        counts = self._part_counts(parts)
         grad_rows = [positions_in(part, t0.rows) for part in parts]  # (t.rows: the same)
         starts = list(itertools.accumulate((part.numel() for part in parts), initial=0))
-        stages: list[list] = [[] for _ in range(READY_STAGES)]
+        names = STAGE_NAMES + ("other rows",)
+        stages: list[list] = [[] for _ in kinds[:-1]]
         rest = []
         for t in self.tables:
-            for k, what in enumerate(STAGE_NAMES + ("other rows",)):
-                job = self._row_job(t, parts[k], grad_rows[k], clip_coef, lr, starts[k], what)
+            for i, k in enumerate(kinds):
+                job = self._row_job(t, parts[i], grad_rows[i], clip_coef, lr, starts[i],
+                                    names[k], counts[i])
                 if k < READY_STAGES:
-                    stages[k].append((t.param, job))
+                    stages[i].append((t.param, job))
                 else:
                     rest.append(job)
             t.rows = t.grad = None
         self.overlap.launch(stages, rest)
+
+    def _part_counts(self, parts: list[torch.Tensor]) -> list[list[int]]:
+        """For each part of the update, how many rows each rank publishes (one exchange
+        and one host read for them all, here at the launch, rather than one of each per
+        publication in the next step's forward)."""
+        comm = self.overlap.comm
+        if comm.size == 1:
+            return [[p.numel()] for p in parts]
+        mine = self.devices.to_accelerator(torch.tensor([p.numel() for p in parts]),
+                                           non_blocking=True)  # (staged: no sync)
+        gathered = [torch.empty_like(mine) for _ in range(comm.size)]
+        comm.all_gather(gathered, mine)
+        by_rank = torch.stack(gathered).tolist()
+        return [[counts[k] for counts in by_rank] for k in range(len(parts))]
 
     def _next_step_rows(self, next_ids: list[torch.Tensor]) -> tuple[torch.Tensor,
                                                                      torch.Tensor]:
@@ -382,25 +444,28 @@ class TableOptimizer:
             return self.devices.to_accelerator(t, non_blocking=True)
         needed, stage_of = self.partition.shards.needed_by_any(to(ids), self.counters,
                                                                to(stages), READY_STAGES)
-        if self.state_on_host:
-            return self.devices.to_host(needed), self.devices.to_host(stage_of)
+        if self.state_on_host:  # both in one copy
+            return self.devices.to_host(torch.stack([needed, stage_of])).unbind()
         return needed, stage_of
 
     def _row_job(self, t: TableState, rows: torch.Tensor, grad_rows: torch.Tensor,
-                 clip: float, lr: float, start: int, what: str) -> Job:
-        """The update of local rows `rows` and their publication: gradients `t.grad[
-        grad_rows]` x `clip` (-1: an untouched row, zero; `positions_in(rows, t.rows)`);
-        their new values in rows [start, ...) of the table's buffer (none for a table that
-        is its own master)."""
+                 clip: float, lr: float, start: int, what: str, counts: list[int]) -> Job:
+        """The update of local rows `rows` (its arithmetic) and their publication
+        (`counts`: how many rows each rank publishes): gradients `t.grad[grad_rows]` x
+        `clip` (-1: an untouched row, zero; `positions_in(rows, t.rows)`); their new values
+        in rows [start, ...) of the table's buffer (none for a table that is its own
+        master)."""
         grad = t.grad
+        values = self._values(t, rows.numel(), start) if t.separate else None
 
-        def run(comm: Comm) -> None:
-            values = self._values(t, rows.numel(), start) if t.separate else None
+        def compute() -> None:
             self._update_rows(t, rows, grad_rows, grad, clip, lr, values)
-            self.partition.publish(t, rows, values, self.counters, holders=comm)
-        return Job(f"step {self.step_count}, {t.name}: {what}", run, (rows, grad_rows, grad))
 
-    # -- checkpoint ---------------------------------------------------------------------
+        def publish(comm: Comm) -> None:
+            self.partition.publish(t, rows, values, self.counters, holders=comm,
+                                   counts=counts)
+        return Job(f"step {self.step_count}, {t.name}: {what}", compute, publish,
+                   (rows, grad_rows, grad))
 
     # -- checkpoint ---------------------------------------------------------------------
 

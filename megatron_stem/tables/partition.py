@@ -17,7 +17,8 @@ of this rank's optimizer state; `ids`: table rows):
   make_state(name, param)        -> TableState
   sync(ids, grads, counters)     -> (touched local rows this rank updates, sorted; their
                                      fp32 gradients averaged over data parallel; rows
-                                     touched on all ranks), on the accelerator
+                                     touched on all ranks: an int, or a device tensor for
+                                     the step's host read), on the accelerator
   ids_of(local)                  -> their table rows
   dense_rows(device)             -> every local row this rank updates under `dense`
   norm_comm                      -> the ranks holding disjoint rows' gradients (None: all
@@ -261,10 +262,10 @@ class RowSharded(Partition):
         width = grads[0].shape[1]
         local, summed = self.shards.to_owners(ids, torch.cat(grads, 1), counters)
         summed = summed / self.dp.size
-        count = torch.tensor([local.numel()], device=self.devices.accelerator)
+        count = torch.full((1,), local.numel(), device=self.devices.accelerator)
         if self.dp.size > 1:
             self.dp.all_reduce(count)
-        return local, list(summed.split(width, 1)), int(count)
+        return local, list(summed.split(width, 1)), count  # read with the step's values
 
     def ids_of(self, local: torch.Tensor) -> torch.Tensor:
         return self.shards.ids_of(local)
@@ -272,14 +273,16 @@ class RowSharded(Partition):
     def dense_rows(self, device) -> torch.Tensor:
         return torch.arange(self.shards.rows, device=device)
 
-    def publish(self, t, local, values, counters, holders: Comm | None = None) -> None:
-        """`holders`: another group over the same ranks (the overlapped update's)."""
+    def publish(self, t, local, values, counters, holders: Comm | None = None,
+                counts: list[int] | None = None) -> None:
+        """`holders`: another group over the same ranks (the overlapped update's);
+        `counts`: how many of `local`'s rows each of them sends, when known."""
         holders = holders or self.holders
         if local is None:
             self.shards.gather_shards(t.param.data, values, holders, counters, self.on_host)
         else:
             self.shards.gather_rows(t.param.data, self.ids_of(local), values, holders,
-                                    counters, self.on_host)
+                                    counters, self.on_host, counts)
 
     def changed_ids(self, local, counters):
         if local is None:

@@ -161,14 +161,14 @@ class RowGradSum:
         if not self._parts:
             return (torch.empty(0, dtype=torch.long, device=self.device),
                     torch.empty(0, self.width, dtype=self.dtype, device=self.device),
-                    torch.tensor(True, device=self.device))
+                    torch.ones((), dtype=torch.bool, device=self.device))
         known = self._rows
         if known is None:  # rows from the gradients themselves (a `unique` each: syncs)
             parts = [p if isinstance(p, tuple) else _row_sums(p) for p in self._parts]
             rows = torch.unique(torch.cat([ids for ids, _ in parts]))
             positions = [torch.searchsorted(rows, ids) for ids, _ in parts]
             part_sums = [sums for _, sums in parts]
-            ok = torch.tensor(True, device=rows.device)
+            ok = torch.ones((), dtype=torch.bool, device=rows.device)
         else:
             if known.microbatches != len(self._parts):
                 raise RuntimeError(f"a STEM table had {len(self._parts)} backwards in a step "
@@ -184,13 +184,16 @@ class RowGradSum:
         return rows, total.to(self.dtype), ok
 
 
+LOOKED_UP_OTHERS = ("STEM tables were looked up with other token ids than the micro-batches "
+                    "staged for the step (TableOptimizer.stage): their row gradients would be "
+                    "summed into the wrong rows")
+
+
 def check_looked_up(flags: list[torch.Tensor]) -> None:
-    """Refuse a step whose tables were looked up with other ids than the ones staged (one
-    host sync for all tables, where the step syncs anyway)."""
+    """Refuse a step whose tables were looked up with other ids than the ones staged (a
+    host sync: the trainer reads the flag with the step's other values instead)."""
     if not bool(torch.stack(flags).all()):
-        raise RuntimeError("STEM tables were looked up with other token ids than the "
-                           "micro-batches staged for the step (TableOptimizer.stage): their "
-                           "row gradients would be summed into the wrong rows")
+        raise RuntimeError(LOOKED_UP_OTHERS)
 
 
 def row_grads_of(param: torch.nn.Parameter) -> RowGradSum:
@@ -211,19 +214,20 @@ def table_row_grads(param: torch.nn.Parameter) -> RowGradSum:
     return row_grads
 
 
-def take_same_rows(sums: list[RowGradSum]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """`take` of every table of a step: their rows, which must be the same (every table is
-    looked up with the same token ids: one `StepRows` for all, or compared), and each
-    table's summed gradients."""
+def take_same_rows(sums: list[RowGradSum]) -> tuple[torch.Tensor, list[torch.Tensor],
+                                                   torch.Tensor]:
+    """`take_unchecked` of every table of a step: their rows, which must be the same (every
+    table is looked up with the same token ids: one `StepRows` for all, or compared), each
+    table's summed gradients, and whether every lookup read the rows expected (a device
+    bool, for the caller to read: `check_looked_up`)."""
     known = [s._rows for s in sums]
     taken = [s.take_unchecked() for s in sums]
-    check_looked_up([ok for _, _, ok in taken])
     rows = taken[0][0]
     same = known[0] is not None and all(k is known[0] for k in known)
     if not same and any(not torch.equal(rows, r) for r, _, _ in taken[1:]):
         raise RuntimeError("STEM tables were looked up with different token ids in one "
                            "step; the table path sends one row set for all")
-    return rows, [g for _, g, _ in taken]
+    return rows, [g for _, g, _ in taken], torch.stack([ok for _, _, ok in taken]).all()
 
 
 def _row_sums(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,7 +244,7 @@ def _known_row_sums(grad: torch.Tensor,
     index = grad._indices()[0]
     if not rows.numel():
         return (torch.zeros(0, grad.shape[1], dtype=torch.float32, device=index.device),
-                torch.tensor(index.numel() == 0, device=index.device))
+                torch.full((), index.numel() == 0, device=index.device))
     at = torch.searchsorted(rows, index).clamp_(max=rows.numel() - 1)  # (a stray id: flagged)
     ok = (rows[at] == index).all()
     return _position_sums(at, grad._values(), rows.numel()), ok

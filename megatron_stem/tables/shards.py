@@ -187,10 +187,13 @@ class RowShards:
         """Send each of `positions` (sorted) to its owner: (the positions this rank
         received, rows sent to each rank, rows received from each rank). `per_position`:
         the values are positions x `per_position` + a smaller tag."""
-        sent = torch.bincount(positions // (self.rows * per_position), minlength=self.size)
+        owners = positions // (self.rows * per_position)  # (a bincount would read its max)
+        sent = torch.zeros(self.size, dtype=owners.dtype, device=owners.device) \
+            .scatter_add_(0, owners, torch.ones_like(owners))
         received = torch.empty_like(sent)
         self.comm.all_to_all(received, sent)
-        send, recv = sent.tolist(), received.tolist()
+        sizes = torch.cat([sent, received]).tolist()  # what all_to_all takes: one host sync
+        send, recv = sizes[:self.size], sizes[self.size:]
         incoming = torch.empty(sum(recv), dtype=positions.dtype, device=positions.device)
         self.comm.all_to_all(incoming, positions, recv, send)
         counters.index_bytes += 2 * self.size * sent.element_size() + \
@@ -251,9 +254,11 @@ class RowShards:
 
     def gather_rows(self, table: torch.Tensor, ids: torch.Tensor,
                     values: torch.Tensor | None, holders: Comm,
-                    counters: TrafficCounters, on_host: bool = False) -> None:
+                    counters: TrafficCounters, on_host: bool = False,
+                    counts: list[int] | None = None) -> None:
         """Like `gather_shards` for some of each owner's rows (`lazy`): table rows `ids`
-        with `values` (None: they are in its `table` already)."""
+        with `values` (None: they are in its `table` already). `counts`: how many rows
+        each of `holders`' ranks sends, when known (else exchanged: a host sync)."""
         peers = self._shard_indices(holders)
         devices = holders.devices
         into = _Into(devices, on_host, counters)
@@ -267,7 +272,7 @@ class RowShards:
             table.index_copy_(0, into(ids, counted=False), into(values))
             return
         (gathered_ids, gathered), longest = holders.all_gather_varying(
-            [devices.to_accelerator(ids), values])
+            [devices.to_accelerator(ids), values], counts)
         counters.index_bytes += len(peers) * (ID_BYTES + longest * ID_BYTES)
         counters.gather_bytes += (len(peers) - 1) * longest * table.shape[1] * \
             values.element_size()

@@ -3,7 +3,8 @@
 Three pieces of the path run beside the compute stream: the row gradients' sum at the end
 of a step's last backward (`tables/row_grads.py`, beside the backbone reduction's tail),
 the gradients' copies into pinned host memory for CPU Adam (`comm.HostStaging`, under
-DeepSpeed's step) and the overlapped update (`overlap.py`, on a worker thread). All follow
+DeepSpeed's step) and the overlapped update (`overlap.py`: its arithmetic queued by a
+worker thread, its publications by the main thread, each on a stream of its own). All follow
 one protocol, so a CPU test can stand in for CUDA and see what is asked of it, from which
 thread:
 
@@ -13,8 +14,9 @@ thread:
   side stream still reads it);
 * `running()`: a context in which the work queued goes to the side stream;
 * `mark()`: an event after what the side stream has queued so far; `wait(event)`: the
-  compute stream waits for it (no host sync); `synchronize(event)`: the host waits for it;
-  `join()`: the compute stream waits for the whole side stream;
+  compute stream waits for it (no host sync); `follow(event)`: the side stream waits for
+  an event of another side stream; `synchronize(event)`: the host waits for it (None: for
+  nothing); `join()`: the compute stream waits for the whole side stream;
 * `enter_worker()`: a thread other than the main one takes the main thread's device (the
   current CUDA device is per thread: 0 in a new one).
 """
@@ -53,8 +55,12 @@ class CudaStreams:
     def wait(self, event) -> None:
         torch.cuda.current_stream(self.device).wait_event(event)
 
+    def follow(self, event) -> None:
+        self.stream.wait_event(event)
+
     def synchronize(self, event) -> None:
-        event.synchronize()
+        if event is not None:
+            event.synchronize()
 
     def join(self) -> None:
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
@@ -76,6 +82,9 @@ class NoStreams:
         return None
 
     def wait(self, event) -> None:
+        pass
+
+    def follow(self, event) -> None:
         pass
 
     def synchronize(self, event) -> None:

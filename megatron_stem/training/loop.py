@@ -1,6 +1,7 @@
 """The training loop: `run(recipe)` builds the run's parts, then steps until `train.steps`
 or a stop signal, saving, evaluating and logging on the way.
 
+    batches, valid = _data(recipe, ...)      # the data cache first: refused before the model
     checkpointer = Checkpointer(recipe)      # where the run starts (checkpoint/checkpointer.py)
     model = build_model(...)
     checkpointer.load_weights(model)         # before the engine copies them
@@ -22,10 +23,17 @@ from megatron.core import parallel_state as ps
 from megatron_stem.checkpoint.checkpointer import Checkpointer
 from megatron_stem.checkpoint.finding import finished_step
 from megatron_stem.config import Recipe
+from megatron_stem.config.world import check_world
 from megatron_stem.data.sample_cache import prepare
 from megatron_stem.evaluation.in_loop import DownstreamEval
 from megatron_stem.model import build_model
-from megatron_stem.runtime.parallel import destroy_distributed, device, init_distributed
+from megatron_stem.runtime.host_read import HostRead
+from megatron_stem.runtime.parallel import (
+    destroy_distributed,
+    device,
+    init_distributed,
+    local_world_size,
+)
 from megatron_stem.training.batches import (
     Prefetcher,
     Samples,
@@ -52,18 +60,16 @@ from megatron_stem.training.update import Outcome, Update
 from megatron_stem.training.wandb_run import check_installed as check_wandb_installed
 
 
-def _local_and_dp_mean(local: torch.Tensor) -> tuple[float, float]:
-    """This rank's `local` (a one-element tensor on its device) and its data-parallel
-    mean, read by the host together: one sync."""
-    mine = local.detach().double().reshape(1)
-    total = mine.clone()
+def _dp_mean(local: torch.Tensor) -> torch.Tensor:
+    """The data-parallel mean of `local` (a one-element tensor on this rank's device), on
+    the device: a collective, no host read."""
+    total = local.detach().double().reshape(1).clone()
     dist.all_reduce(total, group=ps.get_data_parallel_group())
-    mine, total = torch.cat([mine, total]).tolist()
-    return mine, total / ps.get_data_parallel_world_size()
+    return total / ps.get_data_parallel_world_size()
 
 
 def _mean_over_dp(value) -> float:
-    return _local_and_dp_mean(torch.as_tensor(value, dtype=torch.float64, device=device()))[1]
+    return _dp_mean(torch.as_tensor(value, dtype=torch.float64, device=device())).item()
 
 
 def _token_mean_loss(model_or_engine, batch: dict) -> torch.Tensor:
@@ -74,7 +80,7 @@ def _token_mean_loss(model_or_engine, batch: dict) -> torch.Tensor:
 
 def train_step(update: Update, microbatches: list[dict], lr: float,
                next_ids: list[torch.Tensor] | None = None,
-               timer=UNTIMED) -> tuple[float, Outcome]:
+               timer=UNTIMED, read: HostRead | None = None) -> tuple[float, Outcome]:
     """Forward/backward every micro-batch, then the step's update of backbone and tables
     (training/update.py; `next_ids`: the next step's token ids, whose rows an overlapped
     table update puts in place first). Host-resident tables are handed the step's
@@ -82,22 +88,28 @@ def train_step(update: Update, microbatches: list[dict], lr: float,
     phases (training/profiling.py). Returns the data-parallel mean loss and the update's
     outcome.
 
-    The losses stay on the device until every backward is launched, then the host reads
-    them once (a read per micro-batch would make it wait for each backward before
-    launching the next forward)."""
+    The losses stay on the device; the host reads their mean with the step's other values
+    in one transfer (`read`: the step's host read, runtime/host_read.py; None: one of its
+    own), inside DeepSpeed's step (a read per micro-batch would make the host wait for each
+    backward before launching the next forward)."""
     engine = update.engine
+    read = read or HostRead()
     with timer.phase("tables_stage"):
         update.tables.stage(microbatches)
     losses = []
     for i, batch in enumerate(microbatches):
         with timer.phase("forward_backward"):
             loss = _token_mean_loss(engine, batch)
+            if i + 1 == len(microbatches):  # the last step's update beside this backward
+                update.tables.publish_rest()
             engine.backward(loss)
             losses.append(loss.detach())
         if i + 1 < len(microbatches):
             engine.step()  # DeepSpeed's micro-step; the last one is the update's
-    local, loss = _local_and_dp_mean(torch.stack(losses).double().mean())
-    return loss, update.apply(lr, loss, next_ids, local_loss=local, timer=timer)
+    local = torch.stack(losses).double().mean()
+    mean, local = read.add(_dp_mean(local)), read.add(local)
+    outcome = update.apply(lr, mean, next_ids, local_loss=local, timer=timer, read=read)
+    return mean.get(), outcome
 
 
 @torch.no_grad()
@@ -115,12 +127,13 @@ def _data(recipe: Recipe, tokenizer) -> tuple[Prefetcher, dict[str | None, list[
     """This data-parallel rank's training batches (by step, read ahead) and validation
     micro-batches of each set: None the split's, then the named sets of `data.validation`.
     The datasets' sample indices come from the shared cache (data/sample_cache.py), built
-    here by rank 0 only when that is quick."""
+    here by rank 0 only when that is quick: the first thing a run reads, so a cache that
+    must be built first is refused before the model is."""
     train = recipe.train
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     samples = Samples.of(recipe, dp)
     plans = data_plans(recipe, tokenizer, samples)
-    prepare(list(plans.values()), dist.get_rank(), dist.barrier,
+    prepare(list(plans.values()), dist.get_rank(),
             f"python tools/build_data_cache.py --recipe <this recipe> [its overrides] "
             f"--ranks {dist.get_world_size()}")
     train_ds, sets = load_datasets(plans, recipe.data.split_validates)
@@ -151,10 +164,13 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
     check_validation_sets(recipe.data, recipe.model.vocab_size)
     check_wandb_installed(recipe)
     tokenizer = tokenizer or load_tokenizer(recipe)
-    init_distributed(recipe.parallel, seed=train.seed)
+    init_distributed(recipe.parallel, seed=train.seed,
+                     timeout_minutes=recipe.parallel.timeout_minutes)
     tables = batches = None
     try:
+        check_world(recipe, dist.get_world_size(), local_world_size())
         check_ranks(recipe.profile, dist.get_world_size())
+        batches, valid = _data(recipe, tokenizer)
         downstream = DownstreamEval.start(recipe, tokenizer)  # None: lm_eval.interval 0
         checkpointer = Checkpointer(recipe)  # where the run starts; says any fallback
         model = build_model(recipe.model, recipe.parallel, seed=train.seed,
@@ -163,7 +179,6 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
         engine, tables, update = build_engine(model, recipe)
         step = checkpointer.resume(model, engine, tables)  # and saves these from now on
 
-        batches, valid = _data(recipe, tokenizer)
         metrics = Metrics(recipe, first_step=step + 1)
         metrics.start(checkpointer.origin())
         guard = Guard(recipe.guard, checkpointer.keep_before, checkpointer.rewind,
@@ -180,9 +195,16 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
             current = upcoming
             # The next step's batch, now: an overlapped table update puts its rows first.
             upcoming = batches.microbatches(step + 1) if step + 1 < train.steps else None
+            # The step's values for the host, read at once inside its update
+            # (runtime/host_read.py): every rank's stop flag and, while a save is written
+            # in the background, whether every rank has written it, then the loss and the
+            # gradient norms.
+            read = HostRead()
+            stop_signal.share(read)
+            checkpointer.share(read)
             loss, outcome = train_step(update, current, lr,
                                        upcoming and [mb["tokens"] for mb in upcoming],
-                                       metrics.timer)
+                                       metrics.timer, read)
             step += 1
             profiler.after(step)
             result["losses"].append(loss)

@@ -43,33 +43,47 @@ def catch_stop_signals() -> None:
 
 
 def end_with_launcher() -> None:
-    """In a rank torchrun started: end it when the launcher dies (`lifetime`). A run
-    started from a shell is left alone: under nohup it outlives its shell, as asked."""
+    """In a rank torchrun started: end it when the launcher dies (`process_lifetime`), or
+    now when it already has. A run started from a shell is left alone: under nohup it
+    outlives its shell, as asked."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        process_lifetime.exit_with_parent(f"rank {os.environ.get('RANK', '?')}", launcher="torch")
+        process_lifetime.exit_with_parent(f"rank {os.environ.get('RANK', '?')}", launched=True)
 
 
 class StopSignal:
     """The stop flag (`catch_stop_signals`, also of the signals caught before it was made);
-    ranks agree on it once per step. A rank also ends with its launcher
-    (`end_with_launcher`)."""
+    ranks agree on it once per step (`share`, read with the step's other values: a signal
+    that comes after that point stops the run a step later). A rank also ends with its
+    launcher (`end_with_launcher`)."""
 
     def __init__(self):
         self.requeue = False  # set by `requested` when the stop was a SIGUSR1
+        self._agreed = None  # this step's agreed flag, a HostValue
         catch_stop_signals()
         end_with_launcher()
 
-    def requested(self) -> bool:
-        """Whether any rank got a stop signal (a collective: every rank calls it)."""
+    def share(self, read) -> None:
+        """Every rank's flag, agreed (a collective: every rank calls it), into the step's
+        host read `read` (runtime/host_read.py)."""
         import torch  # not at the top: see the module's docstring
         import torch.distributed as dist
 
         from megatron_stem.runtime.parallel import device
 
-        asked = torch.tensor([_asked], device=device())
+        asked = torch.full((1,), _asked, device=device())  # a fill: no copy, no sync
         dist.all_reduce(asked, op=dist.ReduceOp.MAX)
-        self.requeue = asked.item() == _REQUEUE
-        return asked.item() > 0
+        self._agreed = read.add(asked)
+
+    def requested(self) -> bool:
+        """Whether any rank got a stop signal by the last `share` (without one: now, a
+        collective and a host read of its own)."""
+        if self._agreed is None:
+            from megatron_stem.runtime.host_read import HostRead
+
+            self.share(HostRead())
+        asked, self._agreed = self._agreed.get(), None
+        self.requeue = asked == _REQUEUE
+        return asked > 0
 
     def report(self) -> None:
         """Tell the launcher that this node's ranks saved and stopped to be requeued

@@ -4,7 +4,8 @@ After the last micro-batch's backward (`Update.apply`):
 
 1. the tables' row gradients are averaged over data parallel (`TableOptimizer.sync_grads`);
 2. the gradient norms: DeepSpeed's ZeRO optimizer computes the backbone's inside its step
-   and calls the norm hook installed here, which adds the tables' share (`grad_norm_sq`).
+   and calls the norm hook installed here, which adds the tables' share (`grad_norm_sq`)
+   and reads them on the host with the step's other values, once (runtime/host_read.py).
    `optimizer.clip_tables: joint` clips both by one coefficient from the global norm over
    both; `separate` (the official STEM code's) clips each by its own norm, each a global
    norm over all of its shards and ranks;
@@ -15,7 +16,8 @@ A step whose loss (the data-parallel mean), backbone norm or table norm is not f
 skipped whole, on every rank alike (the loss and the norms are the same on every rank:
 they are reduced over all of them): the hook hands DeepSpeed an infinite norm, which makes
 its ZeRO optimizer drop the gradients without stepping (`bf16.check_grad_overflow` on;
-fp32 always), and the tables drop theirs. No parameter, moment, table row or optimizer
+fp32 always; DeepSpeed's separate overflow check is the norm's, see `NormHook`), and the
+tables drop theirs. No parameter, moment, table row or optimizer
 step count changes. The step's outcome says which part was not finite.
 
 DeepSpeed's own checks guard the seam: the hook must have been called in the step
@@ -31,6 +33,8 @@ from typing import Optional
 
 import torch
 
+from megatron_stem.runtime.host_read import HostRead, HostValue
+from megatron_stem.tables.comm import mark_host
 from megatron_stem.training.profiling import UNTIMED
 
 
@@ -84,34 +88,51 @@ def _whose(local_loss: float, local_tables_finite: bool) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
+def _host(value):
+    """A value given as a float, or as a `HostValue` of the step's host read."""
+    return value.get() if isinstance(value, HostValue) else value
+
+
 class NormHook:
-    """The tables in DeepSpeed's global norm: its ZeRO-1/2 optimizer computes the
-    (loss-scaled) backbone norm in `scaled_global_norm` and clips its partitions by what
-    that returns. The hook replaces the method on that optimizer instance: it returns the
-    norm the backbone is clipped by (`joint`: over backbone and tables; else the
-    backbone's own), infinite for a step to skip, and records the parts."""
+    """The tables in DeepSpeed's global norm, and the step's one host read: DeepSpeed's
+    ZeRO-1/2 optimizer computes the (loss-scaled) backbone norm in `scaled_global_norm`
+    and clips its partitions by what that returns. The hook replaces the method on that
+    optimizer instance: it adds the backbone's norm and the tables' squared norm to the
+    step's host read (runtime/host_read.py), reads it (with the loss, the stop flag and
+    whatever else the step added), and returns the norm the backbone is clipped by
+    (`joint`: over backbone and tables; else the backbone's own), infinite for a step to
+    skip, in host memory (DeepSpeed's checks of it then read nothing from the device); it
+    records the parts.
+
+    It also replaces DeepSpeed's own overflow check (bf16's `check_grad_overflow`: an
+    all-reduce and a host read of its own, before the norm): the norm covers every
+    gradient, so it is infinite, NaN or DeepSpeed's -1 whenever a gradient is not finite,
+    and DeepSpeed skips a step whose norm is (`is_invalid_grad_norm`)."""
 
     def __init__(self, zero_optimizer, tables, joint: bool = True):
         self.zero_optimizer, self.tables, self.joint = zero_optimizer, tables, joint
         self._backbone_norm = zero_optimizer.scaled_global_norm
         zero_optimizer.scaled_global_norm = self
+        zero_optimizer.has_overflow = lambda partition_gradients=True: False  # the norm's
         self.calls = 0
-        self.loss_finite = True
+        self.read = HostRead()  # the step's, set by `Update.apply`
+        self.loss = 0.0  # the step's loss: a float or a value of `read`
         self.norms = GradNorms()
         self.nonfinite: tuple[str, ...] = ()
 
     def __call__(self, norm_type=2):
         self.calls += 1
         scale = float(getattr(self.zero_optimizer, "loss_scale", 1.0))
-        backbone = float(self._backbone_norm(norm_type)) / scale
-        table_sq = self.tables.grad_norm_sq()
+        backbone = self.read.add(self._backbone_norm(norm_type))
+        table_sq = self.read.add(self.tables.grad_norm_sq())
+        backbone, table_sq = backbone.get() / scale, table_sq.get()  # the step's host read
         self.nonfinite = tuple(name for name, ok in (
-            ("loss", self.loss_finite), ("backbone", _valid_norm(backbone)),
+            ("loss", math.isfinite(_host(self.loss))), ("backbone", _valid_norm(backbone)),
             ("tables", _valid_norm(table_sq))) if not ok)
         total = (backbone ** 2 + table_sq) ** 0.5 if not self.nonfinite else math.inf
         self.norms = GradNorms(backbone, table_sq ** 0.5, total)
         clipped_by = total if self.joint or self.nonfinite else backbone
-        return torch.tensor(clipped_by * scale, device=self.zero_optimizer.device)
+        return mark_host(torch.tensor(clipped_by * scale))
 
     def tables_norm(self) -> float:
         """The norm the tables are clipped by."""
@@ -129,26 +150,27 @@ class Update:
     def norms(self) -> GradNorms:
         return self.hook.norms
 
-    def apply(self, lr: float, loss: float,
-              next_ids: Optional[list[torch.Tensor]] = None,
-              local_loss: Optional[float] = None, timer=UNTIMED) -> Outcome:
+    def apply(self, lr: float, loss, next_ids: Optional[list[torch.Tensor]] = None,
+              local_loss=None, timer=UNTIMED, read: Optional[HostRead] = None) -> Outcome:
         """The update of a step whose data-parallel mean loss is `loss` (`local_loss`: this
-        rank's); `next_ids`: the next step's token ids (an overlapped table update puts
-        their rows first); `timer` times its phases (training/profiling.py)."""
+        rank's), floats or values of the step's host read `read` (None: one of its own),
+        which DeepSpeed's step reads; `next_ids`: the next step's token ids (an overlapped
+        table update puts their rows first); `timer` times its phases
+        (training/profiling.py)."""
         engine = self.engine
         if not engine.is_gradient_accumulation_boundary():
             raise RuntimeError("Update.apply: not at DeepSpeed's gradient accumulation "
                                "boundary (train.global_batch_size / micro-batches mismatch)")
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
+        read = read or HostRead()
         with timer.phase("tables_sync"):
-            self.tables.sync_grads()
-        self.hook.loss_finite = math.isfinite(loss)
+            self.tables.sync_grads(read)
+        self.hook.read, self.hook.loss = read, loss
         calls = self.hook.calls
         with timer.phase("backbone_step"):
             engine.step()
-        outcome = self._outcome(self.hook.calls - calls, not engine.was_step_applied(),
-                                math.isfinite(loss))
+        outcome = self._outcome(self.hook.calls - calls, not engine.was_step_applied())
         with timer.phase("tables_step"):
             if outcome.applied:
                 self.tables.step(lr, clip_coefficient(self.hook.tables_norm(), self.clip_grad),
@@ -156,19 +178,12 @@ class Update:
             else:
                 self.tables.skip()
         if not outcome.applied:
-            outcome.ranks = _whose(loss if local_loss is None else local_loss,
+            outcome.ranks = _whose(_host(loss if local_loss is None else local_loss),
                                    self.tables.local_grads_finite())
         return outcome
 
-    def _outcome(self, hook_calls: int, skipped: bool, loss_finite: bool) -> Outcome:
+    def _outcome(self, hook_calls: int, skipped: bool) -> Outcome:
         """The step's outcome from what DeepSpeed did, checked against what it was asked."""
-        if hook_calls == 0 and skipped:
-            # DeepSpeed's own overflow check (bf16) found inf/NaN in the backbone's
-            # gradients and skipped before computing any norm (on every rank: the check
-            # is reduced over all of them).
-            nan = math.nan
-            return Outcome(GradNorms(nan, nan, nan),
-                           ("backbone",) + (() if loss_finite else ("loss",)))
         if hook_calls != 1:
             raise RuntimeError(
                 f"DeepSpeed's step called the gradient-norm hook {hook_calls} times, not "

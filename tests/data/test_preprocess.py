@@ -794,7 +794,8 @@ def test_slurm_scripts_run_without_slurm(shards, reference, sp_model, tmp_path, 
     extra = "--append-eod" + (" --single-prefix" if layout == "single prefix" else "")
     env = subprocess_env(INPUT=str(shards), OUTPUT_PREFIX=str(tmp_path / "out"),
                          TOKENIZER_TYPE="sentencepiece", TOKENIZER_MODEL=str(sp_model),
-                         EXTRA_ARGS=extra, SLURM_CPUS_PER_TASK="1", PYTHON=sys.executable)
+                         EXTRA_ARGS=extra, SLURM_CPUS_PER_TASK="1",
+                         **({"STEM_VENV": sys.prefix} if sys.prefix != sys.base_prefix else {}))
     for task in ("0", "1"):
         subprocess.run(["bash", "slurm/preprocess.sbatch"], cwd=ROOT, check=True, env={
             **env, "SLURM_ARRAY_TASK_ID": task, "SLURM_ARRAY_TASK_COUNT": "2"},

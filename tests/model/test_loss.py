@@ -11,19 +11,34 @@ from megatron_stem.runtime import cpu_compat
 from megatron_stem.config import ParallelConfig
 from megatron_stem.model import build_model
 from megatron_stem.model.loss import chunked_lm_loss
-from workers.common import full_named, loss_masked, microbatches, tiny_model
+from workers.common import ChunkLossCalls, full_named, loss_masked, microbatches, tiny_model
 from workers.schedule import forward_backward
 
 CFG = tiny_model("1/2")  # 2 x 32 positions per micro-batch, vocabulary 300 (padded 384)
 # 64 positions in chunks of 24: two whole chunks and a short one.
 CHUNK = 24
+MICRO_BATCHES = 2
+
+
+def chunk_calls(chunk: int) -> int:
+    """The chunk function's calls over the micro-batches: each chunk once in the forward
+    and once more in the backward, which recomputes its logits."""
+    positions = CFG.seq_length * 2
+    return MICRO_BATCHES * 2 * -(-positions // chunk) if chunk else 0
 
 
 def _run(chunk: int, **parallel):
-    """Loss and gradients of one seeded model on masked document micro-batches."""
+    """Loss and gradients of one seeded model on masked document micro-batches; asserts
+    that the loss took the path `chunk` asks for (a chunked loss bypassed by the model
+    would compute whole logits on both sides and agree bit for bit)."""
     cpu_compat.model_parallel_seed(1234)
     net = build_model(CFG, ParallelConfig(loss_chunk_tokens=chunk, **parallel), seed=1234)
-    loss = forward_backward(net, loss_masked(microbatches(CFG, documents=True)))
+    calls = ChunkLossCalls()
+    try:
+        loss = forward_backward(net, loss_masked(microbatches(CFG, MICRO_BATCHES,
+                                                              documents=True)))
+    finally:
+        assert calls.close() == chunk_calls(chunk)
     return loss, full_named(net, net.config, "grad")
 
 
@@ -57,7 +72,10 @@ def test_bf16_chunked_loss_is_the_whole_logits_loss_within_bf16(world1):
         cpu_compat.model_parallel_seed(1234)
         net = build_model(CFG, ParallelConfig(loss_chunk_tokens=chunk), seed=1234,
                           params_dtype=torch.bfloat16)
-        loss = forward_backward(net, loss_masked(microbatches(CFG, documents=True)))
+        calls = ChunkLossCalls()
+        loss = forward_backward(net, loss_masked(microbatches(CFG, MICRO_BATCHES,
+                                                              documents=True)))
+        assert calls.close() == chunk_calls(chunk)
         return loss, full_named(net, net.config, "grad")
 
     (loss, grads), (ref_loss, ref_grads) = run(CHUNK), run(0)
@@ -78,12 +96,14 @@ def test_per_token_loss_and_grads_of_the_function_alone(world1):
     expected = torch.nn.functional.cross_entropy(
         (hidden @ weight.t()).transpose(0, 1).reshape(-1, 50), labels.reshape(-1),
         reduction="none").view(3, 7)
+    calls = ChunkLossCalls()
     got = chunked_lm_loss(hidden, weight, labels, chunk_tokens=4)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     want = torch.autograd.grad((expected * upstream).sum(), (hidden, weight))
     have = torch.autograd.grad((got * upstream).sum(), (hidden, weight))
     for a, b in zip(have, want):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert calls.close() == 2 * 6  # 21 positions in chunks of 4, forward and backward
 
 
 @pytest.mark.integration  # torchrun jobs
@@ -92,4 +112,5 @@ def test_tensor_parallel_2_chunked_equals_tp1_whole_logits(reference, tmp_path, 
     torchrun(2, "parity.py", "--out", tmp_path, "--tp", 2, *(["--sp"] if sp else []),
              "--documents", "--loss-mask", "--loss-chunk", CHUNK)
     tp2 = merge_rank_dumps(tmp_path)
+    assert tp2["chunk_loss_calls"] == chunk_calls(CHUNK)  # (rank 1's: every rank runs all)
     assert_equal_within_fp32((tp2["loss"], tp2["grads"]), reference)

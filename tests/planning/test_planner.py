@@ -285,13 +285,32 @@ def test_cli_last_line_and_the_1b_pair(tmp_path):
     assert 0.95 < ratios[0] < 1.05 and ratios[1] > 3
 
 
+def test_cli_plans_any_recipe_in_a_short_summary(tmp_path):
+    """A dense recipe alone, and a STEM one against its baseline: a few lines by default,
+    each recipe's step and memory; `--details` adds the components, ranking and parts."""
+    dense = _cli("--recipe", "recipes/dense_1b.yaml", "--nodes", "4", home=tmp_path)
+    assert dense.returncode == 0, dense.stderr
+    lines = dense.stdout.splitlines()
+    assert len(lines) <= 5 and re.fullmatch(r"predicted step time \d+\.\d{3} s, MFU [\d.]+%",
+                                            lines[-1]), lines
+    assert re.search(r"^recipes/dense_1b\.yaml: step [\d.]+ s, MFU [\d.]+%; memory per GPU "
+                     r"[\d.]+ GB of 141: fits$", dense.stdout, re.M), lines
+    pair = ["--recipe", "recipes/stem_1b.yaml", "--baseline", "recipes/dense_1b.yaml",
+            "--nodes", "4"]
+    short, full = _cli(*pair, home=tmp_path), _cli(*pair, "--details", home=tmp_path)
+    assert len(short.stdout.splitlines()) <= 8 < 100 < len(full.stdout.splitlines())
+    assert short.stdout.splitlines()[-1] == full.stdout.splitlines()[-1]
+    help_text = _cli("--help").stdout
+    assert "--choose CHOOSE" in help_text and "(default: recipe)" in help_text
+
+
 @pytest.mark.parametrize("args, message", [
     (["--recipe", "recipes/nope.yaml", "--baseline", "recipes/dense_1b.yaml"],
      "recipe file not found"),
     (["--recipe", "recipes/stem_1b.yaml", "--baseline", "recipes/dense_1b.yaml",
       "--hardware", "tpu"], "--hardware: unknown profile 'tpu'"),
-    (["--recipe", "recipes/dense_1b.yaml", "--baseline", "recipes/dense_1b.yaml"],
-     "has no STEM layers"),
+    (["--recipe", "recipes/dense_1b.yaml", "--choose", "best"],
+     "--choose: recipes/dense_1b.yaml has no STEM tables to choose an option for"),
     (["--recipe", "recipes/stem_1b.yaml", "--baseline", "recipes/dense_1b.yaml",
       "--choose", "device/dense"], "--choose: expected"),
     (["--recipe", "recipes/stem_1b.yaml", "--baseline", "recipes/dense_1b.yaml",

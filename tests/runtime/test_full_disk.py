@@ -54,7 +54,7 @@ def test_a_save_on_a_full_disk_is_one_line_and_keeps_the_previous(small_disk, to
         in proc.stderr, proc.stderr[-3000:]
     # The ranks' output, before torchrun's own report of a failed rank (log lines W1203 ...)
     ours = re.split(r"^[WEI]\d{4} ", proc.stderr, maxsplit=1, flags=re.M)[0]
-    assert ours.count("error: no space left") == 2 and "Traceback" not in ours, ours
+    assert ours.count("error: no space left") == 1 and "Traceback" not in ours, ours  # rank 0
     checkpoint.verify(first)  # checksums included
     assert (save_dir / "latest").read_text() == "iter_0000001\n"
 
@@ -85,3 +85,26 @@ def test_preprocessing_on_a_full_disk_is_one_line_and_resumes(small_disk, sp_mod
     for ext in (".bin", ".idx"):
         assert (disk / f"out_text_document{ext}").read_bytes() == \
             (tmp_path / f"ref_text_document{ext}").read_bytes()
+
+
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(small_disk, tmp_path):
+    """tools/to_hf.py whose weights do not fit. Before: `OSError: [Errno 28]` as a
+    traceback from safetensors_io.py, exit 1, a partial `<output>.tmp` left behind."""
+    from megatron_stem.hf.import_model import import_hf
+    from megatron_stem.hf.remote.configuration_stem import StemConfig
+    from megatron_stem.hf.remote.modeling_stem import StemForCausalLM
+    from workers.common import hf_shape
+
+    model = StemForCausalLM(StemConfig(**{**hf_shape(20_000), "stem_layers": [1, 3]}))
+    model.save_pretrained(tmp_path / "hf")  # ~50 MB of fp32 weights, mostly tables
+    ckpt = import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    disk = small_disk(8)
+    proc = subprocess.run([sys.executable, "tools/to_hf.py", "--checkpoint", str(ckpt),
+                           "--output", str(disk / "hf")], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=subprocess_env())
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        rf"error: no space left on device writing {disk / 'hf'} \(about \d+\.\d GB\); nothing "
+        r"was kept: free space, or choose another --output", lines[0]), proc.stderr
+    assert list(disk.iterdir()) == []  # no hf, no hf.tmp

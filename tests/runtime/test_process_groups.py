@@ -21,3 +21,32 @@ def test_megatron_makes_no_gloo_groups(world1, getter):
     assert ps.get_data_parallel_group() is not None
     with pytest.raises(AssertionError, match="group-gloo .*is not initialized"):
         getter()
+
+
+def test_the_recipes_timeout_is_the_process_groups(monkeypatch, toy_data, hf_tokenizer,
+                                                    in_process_trainer):
+    """`parallel.timeout_minutes` (validated: 1 minute to a day) reaches
+    `init_distributed`, which gives it to torch's process groups."""
+    from megatron_stem.config import load_recipe
+    from megatron_stem.runtime.errors import ConfigError
+    from megatron_stem.training import loop
+    from support.processes import ROOT
+
+    tiny = ROOT / "recipes" / "tiny_cpu.yaml"
+    given = {}
+
+    def init_distributed(parallel, seed, timeout_minutes):
+        given["minutes"] = timeout_minutes
+        raise KeyboardInterrupt  # nothing further: no process group is made here
+
+    monkeypatch.setattr(loop, "init_distributed", init_distributed)
+    recipe = load_recipe(tiny, [f"data.prefixes=[{toy_data}]", "model.vocab_size=640",
+                                "data.tokenizer_type=huggingface",
+                                f"data.tokenizer_model={hf_tokenizer}",
+                                "parallel.timeout_minutes=7"])
+    with pytest.raises(KeyboardInterrupt):
+        loop.run(recipe)
+    assert given == {"minutes": 7}
+    assert load_recipe(tiny).parallel.timeout_minutes == 30
+    with pytest.raises(ConfigError, match=r"parallel\.timeout_minutes=0: .*must be >= 1"):
+        load_recipe(tiny, ["parallel.timeout_minutes=0"])

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from support.processes import ROOT, subprocess_env
+from support.processes import ROOT, free_port, subprocess_env
 
 LAUNCH = ROOT / "slurm" / "launch.sh"
 
@@ -31,22 +31,30 @@ STUBS = {
     # srun's own options (recorded), then the per-node command, run as node 0
     "srun": 'while [[ $1 == --* ]]; do echo "$1" >>"$STEM_TEST_ARGS.srun"; shift; done\n'
             'SLURM_NODEID=0 SLURM_NNODES=$SLURM_JOB_NUM_NODES exec "$@"',
-    # torchrun (slurm/torchrun.py): its arguments, path, threads and PYTHONPATH recorded;
-    # the data cache's build: its arguments; anything else is launch.sh's "can import
-    # torch and deepspeed" check
+    # torchrun (slurm/torchrun.py): its arguments, path, threads, PYTHONPATH and CUDA's
+    # module loading recorded; the data cache's build: its arguments; preprocessing: its
+    # arguments; `-c`: the environment's check (slurm/environment.sh), which fails with
+    # STEM_TEST_ENV_FAILS
     "python": 'case $1 in *torchrun.py) echo "$1" >"$STEM_TEST_ARGS.script"; shift\n'
               '  printf "%s\\n" "$@" >"$STEM_TEST_ARGS"\n'
               '  echo "$PYTHONPATH" >"$STEM_TEST_ARGS.pythonpath"\n'
-              '  echo "$OMP_NUM_THREADS" >"$STEM_TEST_ARGS.threads"; echo torchrun >>"$STEM_TEST_ARGS.order" ;;\n'
+              '  echo "$OMP_NUM_THREADS" >"$STEM_TEST_ARGS.threads"; echo torchrun >>"$STEM_TEST_ARGS.order"\n'
+              '  echo "${CUDA_MODULE_LOADING-unset}" >"$STEM_TEST_ARGS.module_loading" ;;\n'
               '  *build_data_cache.py) shift; printf "%s\\n" "$@" >"$STEM_TEST_ARGS.cache"\n'
-              '  echo cache >>"$STEM_TEST_ARGS.order" ;; esac',
+              '  echo cache >>"$STEM_TEST_ARGS.order" ;;\n'
+              '  *preprocess_data.py) printf "%s\\n" "$@" >"$STEM_TEST_ARGS.preprocess" ;;\n'
+              '  -c) echo "check ${*:5}" >>"$STEM_TEST_ARGS.order"\n'
+              '  [[ -n ${STEM_TEST_ENV_FAILS:-} ]] && { echo "$STEM_TEST_ENV_FAILS" >&2; exit 1; }\n'
+              '  echo "torch 2.15.0, deepspeed 0.19.8, megatron-core 0.19.2" ;; esac',
     # Apptainer: its options recorded, then the command after the image, run on the host
     "apptainer": 'echo "$@" >"$STEM_TEST_ARGS.apptainer"\n'
                  'while [[ $1 != *.sif ]]; do shift; done; shift; exec "$@"',
 }
 
 
-def _run_launch(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+def _stand_ins(tmp_path: Path, **env: str) -> dict:
+    """The environment of a batch script whose SLURM commands, python and apptainer are the
+    stand-ins (`STUBS`), recording what they are given under `tmp_path/srun_args*`."""
     stubs = tmp_path / "bin"
     stubs.mkdir()
     for name, body in STUBS.items():
@@ -54,12 +62,16 @@ def _run_launch(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess
         (stubs / name).chmod(0o755)
     (tmp_path / "venv" / "bin").mkdir(parents=True)
     (tmp_path / "venv" / "bin" / "activate").write_text("")
+    return {"PATH": f"{stubs}:{os.environ['PATH']}", "HOME": str(tmp_path),
+            "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node1",
+            "SLURM_JOB_NUM_NODES": "1", "STEM_VENV": str(tmp_path / "venv"),
+            "STEM_TEST_ARGS": str(tmp_path / "srun_args"), **env}
+
+
+def _run_launch(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    environ = _stand_ins(tmp_path, STEM_RECIPE="recipes/tiny_cpu.yaml",
+                         STEM_OUTPUT=str(tmp_path / "runs"), **env)
     args = tmp_path / "srun_args"
-    environ = {"PATH": f"{stubs}:{os.environ['PATH']}", "HOME": str(tmp_path),
-               "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node1",
-               "SLURM_JOB_NUM_NODES": "1", "STEM_RECIPE": "recipes/tiny_cpu.yaml",
-               "STEM_OUTPUT": str(tmp_path / "runs"), "STEM_VENV": str(tmp_path / "venv"),
-               "STEM_TEST_ARGS": str(args), **env}
     proc = subprocess.run(["bash", "-c", f'source "{LAUNCH}"'], cwd=tmp_path, env=environ,
                           capture_output=True, text=True, timeout=60)
     return proc, args.read_text().splitlines() if args.exists() else []
@@ -81,7 +93,8 @@ def test_the_data_cache_is_built_on_the_first_node_before_any_rank_starts(tmp_pa
                              STEM_OVERRIDES="train.steps=3")
     assert proc.returncode == 0, proc.stderr
     record = Path(f"{tmp_path / 'srun_args'}")
-    assert Path(f"{record}.order").read_text().split() == ["cache", "torchrun"]
+    assert Path(f"{record}.order").read_text().splitlines() == [
+        "check torch deepspeed megatron.core", "cache", "torchrun"]
     cache = Path(f"{record}.cache").read_text().splitlines()
     recipe = args[args.index("megatron_stem.train") + 1:]
     assert cache == recipe + ["--ranks", "32", "--workers", "64"]  # the run's own settings
@@ -132,6 +145,8 @@ def test_a_gpu_job_runs_one_rank_per_gpu_on_every_node(tmp_path, given):
     assert "stem: node 0/2 is" in proc.stdout and ": torchrun with 8 rank(s)" in proc.stdout
     assert "2 node(s) x 8 rank(s) (one per GPU: SLURM_" in proc.stdout
     assert (tmp_path / "srun_args.threads").read_text().strip() == "8"  # 64 CPUs / 8 ranks
+    # every kernel loaded at start: none loaded lazily while a collective waits for peers
+    assert (tmp_path / "srun_args.module_loading").read_text().strip() == "EAGER"
 
 
 @pytest.mark.integration
@@ -141,6 +156,8 @@ def test_a_job_without_gpus_runs_one_rank_and_stem_procs_per_node_wins(tmp_path,
     proc, args = _run_launch(tmp_path, **env)
     assert proc.returncode == 0, proc.stderr
     assert f"--nproc-per-node={procs}" in args
+    loading = (tmp_path / "srun_args.module_loading").read_text().strip()
+    assert loading == ("EAGER" if env.get("SLURM_GPUS_ON_NODE", "0") != "0" else "unset")
 
 
 @pytest.mark.integration
@@ -189,6 +206,74 @@ def test_torchrun_names_a_failed_rank_before_stopping_the_others(tmp_path):
            "stopping the node's other ranks"
     assert proc.returncode == 1 and said in proc.stderr, proc.stderr
     assert proc.stderr.index(said) < proc.stderr.index("rank 1 got SIGTERM")
+
+
+# Slows the agent's closing of the rendezvous (its last use of the store) by 2 s: without an
+# order, the host's agent has left by then and this agent logs a failed shutdown.
+SLOW_CLOSE = """
+import time
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as d
+close = d.DynamicRendezvousHandler.shutdown
+def slow_close(self):
+    time.sleep(2)
+    return close(self)
+d.DynamicRendezvousHandler.shutdown = slow_close
+"""
+
+
+@pytest.mark.integration  # runs torchrun
+def test_after_a_clean_run_the_store_s_host_leaves_last(tmp_path):
+    """Two nodes' torchruns (on this machine): the one that is not the store's host ends
+    its exit barrier and closes the rendezvous late, and neither logs an error."""
+    script = tmp_path / "rank.py"
+    script.write_text("print('trained', flush=True)\n")
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(SLOW_CLOSE)
+    port = free_port()
+    agents = []
+    for host in (1, 0):
+        env = subprocess_env(**({} if host else {"PYTHONPATH": f"{slow}:{os.environ.get('PYTHONPATH', '')}"}))
+        agents.append(subprocess.Popen(
+            [sys.executable, str(ROOT / "slurm" / "torchrun.py"), "--nnodes=2",
+             "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+             "--rdzv-id=clean", f"--rdzv-conf=is_host={host},read_timeout=60", str(script)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+    outputs = [agent.communicate(timeout=120)[0] for agent in agents]
+    for agent, output in zip(agents, outputs):
+        assert agent.returncode == 0 and "trained" in output, output
+        assert not re.search(r"error|failed|Traceback", output, re.I), output
+
+
+MISTAKEN_RANKS = """
+import os, sys
+from megatron_stem.runtime.errors import UserError, cli
+@cli
+def main():
+    if os.environ["RANK"] in sys.argv[1].split(","):
+        raise UserError(f"data.prefixes: data/x.bin not found (seen by rank {os.environ['RANK']})")
+    return 0
+sys.exit(main())
+"""
+
+
+@pytest.mark.integration  # runs torchrun
+@pytest.mark.parametrize("ranks, said", [
+    ("0,1", "error: data.prefixes: data/x.bin not found (seen by rank 0)"),
+    ("1", "error: rank 1: data.prefixes: data/x.bin not found (seen by rank 1)")])
+def test_a_users_mistake_is_one_line_once_without_torchruns_report(tmp_path, ranks, said):
+    """Every rank meets it: rank 0 says it; one rank alone: its line, from torchrun's error
+    file. No rank's line twice, no failure report, no traceback."""
+    script = tmp_path / "ranks.py"
+    script.write_text(MISTAKEN_RANKS)
+    proc = subprocess.run([sys.executable, str(ROOT / "slurm" / "torchrun.py"), "--standalone",
+                           "--nproc-per-node=2", str(script), ranks],
+                          capture_output=True, text=True, timeout=120,
+                          env=subprocess_env(PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines()
+             if not line.startswith(("W", "I")) or line.startswith("error")]
+    assert lines == [said], proc.stderr
 
 
 def test_arrays_that_can_be_empty_expand_safely_under_bash_4_2():
@@ -255,6 +340,77 @@ def test_stem_container_runs_the_ranks_in_an_apptainer_image(tmp_path):
     assert "megatron_stem.train" in args
     assert not any(line.startswith("--container") for line in
                    (tmp_path / "srun_args.srun").read_text().splitlines())
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("image", ["docker://ghcr.io#me/megatron-stem:0.1.0", "/images/stem.sif"])
+def test_the_environment_is_checked_in_the_container_before_any_rank_starts(tmp_path, image):
+    proc, _ = _run_launch(tmp_path, STEM_CONTAINER=image, STEM_BUILD_DATA_CACHE="1")
+    assert proc.returncode == 0, proc.stderr
+    assert f"stem: environment: torch 2.15.0, deepspeed 0.19.8, megatron-core 0.19.2 (the " \
+           f"container {image})" in proc.stdout
+    order = (tmp_path / "srun_args.order").read_text().splitlines()
+    assert order == ["check torch deepspeed megatron.core", "cache", "torchrun"]
+    if image.endswith(".sif"):  # the check ran in the image (the stand-in logs its last call)
+        assert "/images/stem.sif python" in (tmp_path / "srun_args.apptainer").read_text()
+    else:  # on one node, through pyxis: srun's options once for the check, then each step
+        srun = (tmp_path / "srun_args.srun").read_text().splitlines()
+        assert srun.count(f"--container-image={image}") == 3
+        assert srun[:3] == ["--nodes=1", "--ntasks=1", f"--container-image={image}"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("container", ["", "nvcr.io#nvidia/pytorch:24.05-py3"])
+def test_an_environment_without_the_requirements_stops_the_job_in_one_line(tmp_path, container):
+    proc, args = _run_launch(tmp_path, STEM_CONTAINER=container,
+                             STEM_TEST_ENV_FAILS="has torch 2.4.0, outside the supported "
+                                                 ">=2.13,<2.16")
+    where = f"the container {container}" if container else str(tmp_path / "bin" / "python")
+    assert proc.returncode == 2 and args == [] and not (tmp_path / "srun_args.script").exists()
+    assert proc.stderr.strip().splitlines() == [
+        f"stem: error: {where} has torch 2.4.0, outside the supported >=2.13,<2.16: set "
+        "STEM_CONTAINER to an image of containers/Dockerfile, or STEM_VENV (a virtualenv with "
+        "requirements.txt installed), STEM_MODULES or STEM_SETUP (docs/install.md)"]
+
+
+def test_the_supported_torch_is_read_from_pyproject():
+    """The check's range is pyproject.toml's (what environment.sh's sed reads)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'"torch>=(\d+\.\d+),<(\d+\.\d+)"', text), "environment.sh reads this"
+
+
+PREPROCESS = {"INPUT": "data/raw", "OUTPUT_PREFIX": "data/out", "TOKENIZER_MODEL": "tok.model",
+              "SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "4",
+              "SLURM_CPUS_PER_TASK": "16"}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("container", ["", "/images/stem.sqsh", "/images/stem.sif"])
+@pytest.mark.parametrize("script", ["preprocess.sbatch", "preprocess_merge.sbatch"])
+def test_preprocessing_runs_in_the_environment_training_runs_in(tmp_path, container, script):
+    """slurm/preprocess*.sbatch through slurm/environment.sh: the same STEM_ settings pick
+    plain python, a pyxis image (srun's options) or an Apptainer image."""
+    environ = _stand_ins(tmp_path, STEM_CONTAINER=container, STEM_ROOT=str(ROOT),
+                         STEM_CONTAINER_MOUNTS="/data", **PREPROCESS)
+    proc = subprocess.run(["bash", str(ROOT / "slurm" / script)], cwd=tmp_path, env=environ,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "stem: environment: torch 2.15.0" in proc.stdout
+    called = (tmp_path / "srun_args.preprocess").read_text().splitlines()
+    assert called[0] == str(ROOT / "tools" / "preprocess_data.py")
+    assert called[called.index("--input") + 1] == "data/raw"
+    assert ("--merge-only" in called) == (script == "preprocess_merge.sbatch")
+    mounts = f"{tmp_path},{ROOT},/data"
+    srun = tmp_path / "srun_args.srun"
+    if container.endswith(".sqsh"):
+        assert srun.read_text().splitlines()[-3:] == [
+            f"--container-image={container}", f"--container-mounts={mounts}",
+            f"--container-workdir={tmp_path}"]
+    elif container:
+        assert (tmp_path / "srun_args.apptainer").read_text().split()[:7] == [
+            "exec", "--nv", "--bind", mounts, "--pwd", str(tmp_path), container]
+    else:
+        assert not srun.exists() and not (tmp_path / "srun_args.apptainer").exists()
 
 
 def test_every_checkpoint_records_the_code_that_saved_it(tmp_path, monkeypatch):

@@ -61,7 +61,17 @@ def _rank(script: str, *argv: str) -> None:
             raise
 
 
+def _named_torchrun() -> None:
+    """Name this process `torchrun`, as the command's process is named (what `ps` shows;
+    its command line stays the forkserver's): its ranks' orphan guard recognizes their
+    launcher by it (megatron_stem/runtime/process_lifetime.py)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(15, b"torchrun", 0, 0, 0)  # PR_SET_NAME
+
+
 def _launch(args: list[str], env: dict, cwd: str, out: str, err: str) -> None:
+    _named_torchrun()
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)

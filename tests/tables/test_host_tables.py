@@ -204,7 +204,8 @@ def test_row_grads_are_the_summed_embedding_grads():
         inverse, rows = store.lookup(mb["tokens"], table)
         (F.embedding(inverse, rows, sparse=True).cos() * 3).sum().backward()
         (F.embedding(mb["tokens"], reference).cos() * 3).sum().backward()
-    rows, (grad,) = store.take_row_grads()
+    rows, (grad,), looked_up = store.take_row_grads()
+    assert looked_up
     touched = torch.unique(torch.cat([mb["tokens"].flatten() for mb in mbs]))
     assert torch.equal(rows, touched)
     torch.testing.assert_close(grad, reference.grad[touched], rtol=1e-6, atol=1e-7)
@@ -259,10 +260,10 @@ def test_host_model_equals_device_model(world1, recompute):
     assert host_grads.keys() == dev_grads.keys()
     for name in dev_grads:
         torch.testing.assert_close(host_grads[name], dev_grads[name], rtol=1e-6, atol=1e-8)
-    rows, grads = store.take_row_grads()
+    rows, grads, _ = store.take_row_grads()
     assert torch.equal(rows, tokens.unique())
     assert all(m.weight.grad is None for m in dev)  # taken by the row-gradient hook
-    dev_rows, dev_grads = take_same_rows(dev_sums)
+    dev_rows, dev_grads, _ = take_same_rows(dev_sums)
     assert torch.equal(dev_rows, rows)
     assert all(torch.equal(h, d) for h, d in zip(grads, dev_grads))
     store.close()

@@ -65,11 +65,11 @@ def test_device_and_host_tables_sum_row_grads_in_one_order(dtype):
     for ids, scale in zip(mbs, scales):
         inverse, rows = store.lookup(ids, table)
         _loss(F.embedding(inverse, rows, sparse=True), scale).backward()
-    host_rows, (host_grads,) = store.take_row_grads()
+    host_rows, (host_grads,), looked_up = store.take_row_grads()
     store.close()
 
     rows, expected = _reference(mbs, position_grads, dtype)
-    assert torch.equal(device_rows, rows) and torch.equal(host_rows, rows)
+    assert torch.equal(device_rows, rows) and torch.equal(host_rows, rows) and looked_up
     assert device_grads.dtype == host_grads.dtype == dtype
     assert torch.equal(device_grads, expected) and torch.equal(host_grads, expected)
     assert sums.take()[0].numel() == 0  # taken: the next step starts empty

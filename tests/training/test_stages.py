@@ -10,6 +10,7 @@ Stages: a run initialized from another run's checkpoint (torchrun/gloo, tiny mod
 with or without its optimizer states, at another layout or sequence length."""
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -152,6 +153,76 @@ def test_a_finished_stage_is_found_by_its_recipe_or_run_folder(tmp_path):
     train = TrainConfig(save_dir=str(tmp_path / "stage2"), init_from=str(path))
     start = Checkpointer(Recipe(model=tiny_model(), train=train))
     assert start.origin() == f"initialized from {run / 'iter_0000005'} (weights)"
+
+
+def _job_of_stage_one(tmp_path, monkeypatch, save_dir, *overrides, steps_done=(5, 10)):
+    """Stage 1 as a job runs it (`python -m megatron_stem.train --recipe stage1.yaml
+    train.save_dir=<the job's> ...`, launch.sh's command), its checkpoints already saved
+    there, so the trainer only records where and says there is nothing left to train."""
+    import yaml
+
+    from megatron_stem.checkpoint.train_state import save_train_state
+    from megatron_stem.config import TrainConfig, to_dict
+    from megatron_stem.train import main
+
+    monkeypatch.chdir(tmp_path)  # the recipe's own save dir is relative, as the shipped ones
+    stage = Recipe(model=tiny_model(), train=TrainConfig(steps=10,
+                                                         save_dir="runs/stage1/checkpoints"))
+    path = tmp_path / "stage1.yaml"
+    path.write_text(yaml.safe_dump(to_dict(stage)))
+    saved = Recipe(model=tiny_model(), train=TrainConfig(steps=10, save_dir=str(save_dir)))
+    for step in steps_done:
+        with checkpoint.Writer(save_dir, step, saved) as folder:
+            save_train_state(folder, step, {})
+    monkeypatch.setenv("STEM_ALLOW_CPU", "1")
+    assert main(["--recipe", str(path), f"train.save_dir={save_dir}", *overrides]) == 0
+    return path
+
+
+def test_stage_two_finds_stage_ones_checkpoints_under_stem_save_dir(tmp_path, monkeypatch,
+                                                                    capsys, in_process_trainer):
+    """A job of stage 1 with STEM_SAVE_DIR (or STEM_OUTPUT, another job name) saves
+    elsewhere than its recipe says; `train.init_from: stage1.yaml` still finds it."""
+    from megatron_stem.checkpoint.finding import stage_start
+
+    elsewhere = tmp_path / "scratch" / "stage1-job" / "checkpoints"
+    path = _job_of_stage_one(tmp_path, monkeypatch, elsewhere)
+    record = tmp_path / "runs" / "stage1" / "checkpoints.where"
+    assert f"stage: saving to {elsewhere}; a next stage's train.init_from: {path} reads it " \
+           f"(runs/stage1/checkpoints.where)" in capsys.readouterr().out
+    assert record.is_file() and not (tmp_path / "runs" / "stage1" / "checkpoints").exists()
+    assert stage_start(str(path)) == elsewhere / "iter_0000010"
+
+    # a trial of stage 1 (fewer steps) in its own folder changes nothing ...
+    _job_of_stage_one(tmp_path, monkeypatch, tmp_path / "smoke", "train.steps=5",
+                      steps_done=(5,))
+    assert stage_start(str(path)) == elsewhere / "iter_0000010"
+    # ... and a run where the recipe says removes the record: it is the stage now
+    _job_of_stage_one(tmp_path, monkeypatch, tmp_path / "runs" / "stage1" / "checkpoints")
+    assert not record.exists()
+    assert stage_start(str(path)) == Path("runs/stage1/checkpoints/iter_0000010")
+
+
+def test_check_of_stage_two_before_stage_one_finished_says_where_it_will_start(
+        tmp_path, monkeypatch, capsys, in_process_trainer):
+    from megatron_stem.config import TrainConfig, to_dict
+    from megatron_stem.train import main
+
+    import yaml
+
+    elsewhere = tmp_path / "scratch" / "checkpoints"
+    stage1 = _job_of_stage_one(tmp_path, monkeypatch, elsewhere)
+    (elsewhere / "iter_0000010" / "COMPLETE").unlink()  # stage 1 is at step 5 of 10
+    capsys.readouterr()
+    stage2 = tmp_path / "stage2.yaml"
+    stage2.write_text(yaml.safe_dump(to_dict(Recipe(model=tiny_model(), train=TrainConfig(
+        save_dir=str(tmp_path / "stage2"), init_from=str(stage1))))))
+    main(["--recipe", str(stage2), "--check"])
+    out = capsys.readouterr().out.splitlines()
+    assert f"start: will start from the last checkpoint in {elsewhere} when {stage1} " \
+           "finishes (at step 5 of 10)" in out
+    with pytest.raises(UserError, match="that stage has not finished"):  # training refuses
+        Checkpointer(load_recipe(stage2))
 
 
 def test_the_readme_walks_the_chain_with_the_recipes_paths():
@@ -408,7 +479,8 @@ def test_selective_recompute_frees_its_modules_and_pays_their_forward(modules, f
 
 def test_plan_step_prints_the_memory_and_ends_with_the_step_time_line(capsys):
     assert tool_main("tools/plan_step.py")(["--recipe", "recipes/stem_1b_long.yaml", "--baseline",
-                      "recipes/dense_1b_long.yaml", "--nodes", "4", "--hardware", "h200"]) == 0
+                      "recipes/dense_1b_long.yaml", "--nodes", "4", "--hardware", "h200",
+                      "--details"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[-1].startswith("predicted step time STEM ")
     titles = [i for i, line in enumerate(out) if line.startswith("memory per GPU")]

@@ -118,20 +118,83 @@ def test_ranks_end_when_their_torchrun_agent_is_killed(toy_data, hf_tokenizer, t
                          "exiting", said), said
 
 
+RANK_CODE = ("import os, sys, time; time.sleep(1.0); "
+             "print('parent', os.getppid(), file=sys.stderr, flush=True); "
+             "from megatron_stem.runtime import process_lifetime; "
+             "process_lifetime.exit_with_parent('rank 3', launched=True); time.sleep(60)")
+
+
 @pytest.mark.integration  # a process of its own
 def test_a_rank_orphaned_before_it_could_watch_its_launcher_ends_too(tmp_path):
     """An agent killed in its rank's first moments (a loaded node): the rank's parent is
-    already PID 1 when it starts watching, and PID 1 is no launcher: it ends at once."""
+    already PID 1 (or this machine's subreaper) when it starts watching, and that is no
+    launcher: it ends at once."""
     import psutil
 
-    code = ("import time; time.sleep(1.0); from megatron_stem.runtime import process_lifetime; "
-            "process_lifetime.exit_with_parent('rank 3', launcher='torch'); time.sleep(60)")
     err = tmp_path / "stderr"
     started = subprocess.run(  # the shell, its parent, exits at once
-        ["sh", "-c", f'"{sys.executable}" -c "{code}" 2>"{err}" & echo $!'],
+        ["sh", "-c", f'"{sys.executable}" -c "{RANK_CODE}" 2>"{err}" & echo $!'],
         capture_output=True, text=True, timeout=30, env=subprocess_env(), cwd=ROOT)
     psutil.Process(int(started.stdout)).wait(timeout=20)  # not its 60 s: it ended itself
-    assert err.read_text() == "rank 3: its launcher is gone; exiting\n"
+    assert err.read_text().endswith("\nrank 3: its launcher is gone; exiting\n")
+
+
+SUBREAPER = """\
+import ctypes, os, subprocess, sys, time
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER, as `tini -s` does
+shell = subprocess.run(["sh", "-c", sys.argv[2] + " & echo $!"], capture_output=True,
+                       text=True)  # the rank's launcher: gone at once
+rank, start = int(shell.stdout), time.monotonic()
+pid, status = os.waitpid(rank, 0)  # reparented here, so this process reaps it
+print(os.getpid(), os.waitstatus_to_exitcode(status), round(time.monotonic() - start))
+"""
+
+
+@pytest.mark.integration  # processes of their own
+def test_a_rank_reparented_to_a_subreaper_ends_and_a_path_is_no_launcher(tmp_path):
+    """Under a subreaper (`tini -s`, `systemd --user`) an orphan's new parent is not PID
+    1: the rank still ends at once, its parent being no launcher, though the subreaper's
+    program lies under a folder named torch (`/opt/torch/.venv/bin/python3`: a launcher is
+    matched by what it runs, not by a word in a path)."""
+    python = tmp_path / "opt" / "torch" / ".venv" / "bin" / "python3"
+    python.parent.mkdir(parents=True)
+    python.symlink_to(sys.executable)
+    script = tmp_path / "torch_jobs" / "run_torch.py"
+    script.parent.mkdir()
+    script.write_text(SUBREAPER)
+    err = tmp_path / "stderr"
+    rank = f'"{sys.executable}" -c "{RANK_CODE}" 2>"{err}"'
+    done = subprocess.run([str(python), str(script), "--", rank], capture_output=True,
+                          text=True, timeout=60, env=subprocess_env(), cwd=ROOT)
+    subreaper, code, seconds = map(int, done.stdout.split())
+    assert (code, seconds < 30) == (1, True), done
+    assert err.read_text() == f"parent {subreaper}\nrank 3: its launcher is gone; exiting\n"
+
+
+def test_a_launcher_is_what_runs_torchrun_not_a_word_in_a_path():
+    from megatron_stem.runtime.process_lifetime import launcher_command
+
+    launchers = [  # (command line, process name)
+        (["/usr/bin/python3", "/usr/local/bin/torchrun", "--nproc_per_node=8", "-m",
+          "megatron_stem.train"], "torchrun"),  # the command, through its `#!` line
+        (["python", "-m", "torch.distributed.run", "--nnodes=4"], "python"),
+        (["python3.12", "-u", "-Wignore::DeprecationWarning", "-m", "torch.distributed.run"],
+         "python3.12"),
+        (["python3", "-um", "torch.distributed.run"], "python3"),
+        (["python3", "/opt/code/slurm/torchrun.py", "--nnodes=4"], "python3"),  # ours
+        (["python3", "-c", "from multiprocessing.forkserver import main"], "torchrun"),
+    ]
+    others = [
+        (["/opt/torch/.venv/bin/python3", "train.py"], "python3"),
+        (["/home/torchrun/bin/python", "job.py"], "python"),
+        (["python3", "-X", "dev", "-m", "megatron_stem.train"], "python3"),
+        (["python3", "-c", "import torch.distributed.run"], "python3"),
+        (["/sbin/tini", "-s", "--", "torchrun", "--nnodes=4"], "tini"),
+        (["/usr/lib/systemd/systemd", "--user"], "systemd"),
+        ([], "bash"),
+    ]
+    assert [launcher_command(*c) for c in launchers] == [True] * len(launchers)
+    assert [launcher_command(*c) for c in others] == [False] * len(others)
 
 
 @pytest.mark.integration  # a process of its own

@@ -7,8 +7,11 @@ own (tests/training/, tests/checkpoint/test_resume.py); the runs they share are 
 `train`, `reference`).
 """
 
+import json
+import re
 import subprocess
 import sys
+from collections import Counter
 from socket import gethostname
 
 import pytest
@@ -80,6 +83,42 @@ def test_checkpoint_saved_at_tp2_resumes_at_tp1(train, reference, tmp_path):
     first = train(2, "parallel.tensor_parallel=2", save_dir=tmp_path, preempt_at=3, name="tp2")
     second = train(1, save_dir=tmp_path, name="tp1")
     assert_same_curve(first["losses"] + second["losses"], reference["lazy"]["losses"])
+
+# What a step of the 1B recipes' table layout (device/dense/sharded/next_step/cpu) makes
+# the host wait for, at DP > 1, by where in the code (docs/training.md, "Host syncs").
+STEP_READS = {
+    ("tolist", "megatron_stem/runtime/host_read.py:read"): 1,  # the step's values
+    ("tolist", "megatron_stem/tables/shards.py:_positions_to_owners"): 2,  # all-to-all sizes
+    ("HostStaging.wait", "megatron_stem/tables/optimizer.py:step"): 1,  # grads in CPU memory
+    ("Devices.to_host", "megatron_stem/tables/optimizer.py:_next_step_rows"): 1,
+    ("tolist", "megatron_stem/tables/optimizer.py:_part_counts"): 1,
+}
+
+
+def test_a_step_reads_the_device_as_often_as_the_docs_say(train):
+    """Every read of the device by each rank's main thread (workers/host_reads.py: value
+    reads, copies to host memory, the tables' crossings), step by step, with a save
+    written in the background through steps 5-7: the same reads in every step but those
+    that save, evaluate or end the run, whether a save is in flight or not (its written
+    flag is read with the step's other values), as many as docs/training.md says."""
+    from workers.host_reads import HOST_SIDE
+
+    result = train(2, "tables.overlap=next_step", "optimizer.tables.update=dense",
+                   "train.async_save=true", "train.save_interval=4", "train.steps=8",
+                   "train.eval_interval=100", name="host_reads",
+                   worker=("--slow-save", "4:3", "--count-host-reads"))
+    assert "step 8 | waiting for the checkpoint of step 4" in result["log"]  # in flight
+    for rank in (0, 1):
+        by_step = json.loads((result["folder"] / f"result.json.reads{rank}").read_text())
+        # step k's entry: from step k-1's end (its save, evaluation) to step k's
+        for step in (2, 3, 6, 7):  # 6, 7: the save of step 4 in flight
+            device = Counter((kind, site) for kind, site in map(tuple, by_step[step - 1])
+                             if site not in HOST_SIDE)
+            assert device == STEP_READS, (rank, step)
+    stated = re.search(r"reads the device (\d+)\s+times", (ROOT / "docs" / "training.md")
+                       .read_text())
+    assert stated and int(stated[1]) == sum(STEP_READS.values())
+
 
 def test_cli_reports_missing_data_in_one_line(tmp_path):
     recipe = tmp_path / "r.yaml"

@@ -13,6 +13,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad,
 from megatron_stem.config import Recipe, from_dict
 from megatron_stem.model import build_model
 from megatron_stem.training.loop import _mean_over_dp, _token_mean_loss, train_step
+from megatron_stem.tables.comm import mark_host
 from megatron_stem.tables.row_grads import HOST_TOKENS
 from megatron_stem.training.deepspeed_setup import deepspeed_config
 from megatron_stem.training.engine import build_engine
@@ -150,7 +151,7 @@ def test_bf16_accumulates_and_reduces_gradients_in_fp32():
     first = update.apply(1e-2, loss)
     losses = [train_step(update, batches, 1e-2)[0] for _ in range(6)]
     assert first.applied and losses[-1] < losses[0]
-    # An infinite loss: DeepSpeed's overflow check skips before any norm is computed.
+    # An infinite loss: the backbone's norm is not finite, and DeepSpeed skips the step.
     before = _state(engine, tables)
     outcome = update.apply(1e-2, _backward(engine, batches, scale_last=math.inf))
     assert not outcome.applied and "backbone" in outcome.nonfinite
@@ -171,42 +172,31 @@ def test_the_deterministic_switch_sets_what_gpu_runs_need(monkeypatch):
         torch.use_deterministic_algorithms(False)
 
 
-# What makes the host wait for the device: a read of a tensor's value.
-HOST_READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
+def test_a_step_reads_the_device_once_whatever_its_micro_batches():
+    """The loss of every micro-batch, the gradient norms (the backbone's inside
+    DeepSpeed's step, the tables'), the tables' flags: one read by the host, in
+    DeepSpeed's step, whatever the micro-batches; and the tables' gradients copied to
+    their CPU state, one wait (`HostStaging`). Counted over the whole step, the update
+    included (workers/host_reads.py: every value read, copy to host memory and crossing
+    of the tables' path, by where it is made)."""
+    from workers.host_reads import HOST_SIDE, HostReads
 
-
-def test_a_step_reads_its_losses_once_whatever_its_micro_batches(monkeypatch):
-    """The loop makes one host sync per step, not one per micro-batch (counted through a
-    stand-in for every tensor read, outside the update, whose global norm is its own)."""
     recipe = _recipe()
     recipe.train.global_batch_size = 8
     engine, tables, update, _ = _built(recipe)
-    batches = [{**mb, HOST_TOKENS: mb["tokens"].clone()}  # as the loader gives them
+    batches = [{**mb, HOST_TOKENS: mark_host(mb["tokens"].clone())}  # as the loader gives them
                for mb in microbatches(tiny_model(), count=4)]
     with torch.no_grad():
         expected = sum(float(_token_mean_loss(engine, b)) for b in batches) / len(batches)
-    reads, counting = [], [True]
-
-    def counted(name, original):
-        def read(self, *args, **kwargs):
-            if counting[0]:
-                reads.append(name)
-            return original(self, *args, **kwargs)
-        return read
-
-    for name in HOST_READS:
-        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
-    apply = update.apply
-
-    def uncounted_apply(*args, **kwargs):
-        counting[0] = False
-        try:
-            return apply(*args, **kwargs)
-        finally:
-            counting[0] = True
-
-    monkeypatch.setattr(update, "apply", uncounted_apply)
-    loss, outcome = train_step(update, batches, 1e-2)
-    monkeypatch.undo()
-    assert outcome.applied and reads == ["tolist"]
+    reads = HostReads()
+    try:
+        loss, outcome = train_step(update, batches, 1e-2)
+    finally:
+        taken = reads.close()
+    on_the_device = [read for read in taken if read[1] not in HOST_SIDE]
+    assert outcome.applied and on_the_device == [
+        ("tolist", "megatron_stem/runtime/host_read.py:read"),
+        ("HostStaging.wait", "megatron_stem/tables/optimizer.py:step")]
     assert loss == pytest.approx(expected, rel=1e-6)
+    assert outcome.norms.total > 0 and tables.touched_rows > 0
+

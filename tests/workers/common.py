@@ -115,3 +115,22 @@ def full_named(model, config, what: str) -> dict[str, torch.Tensor]:
                       lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
         out[name] = _gather_tp(p, tensor)
     return out
+
+
+class ChunkLossCalls:
+    """Counts the calls of the chunked loss's per-chunk function (model/loss.py) while
+    installed: a run that took megatron's whole-logits path instead calls it never."""
+
+    def __init__(self):
+        from megatron_stem.model import loss
+
+        self._module, self._original, self.calls = loss, loss._chunk_loss, 0
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self._original(*args, **kwargs)
+        loss._chunk_loss = counted
+
+    def close(self) -> int:
+        self._module._chunk_loss = self._original
+        return self.calls

@@ -1,10 +1,11 @@
-"""Which thread uses the overlapped update's process group first, on two ranks.
+"""Which threads use the overlapped update's process group, on two ranks.
 
     torchrun --nproc_per_node 2 overlap_worker.py OUT.json
 
-NCCL creates a communicator at a group's first collective, collectively: made lazily by
-the update's worker thread while the main thread runs other collectives, ranks can
-deadlock. So the group must have been used on the main thread, at construction.
+NCCL creates a communicator at a group's first collective, collectively: made lazily while
+another thread runs other collectives, ranks can deadlock; and a group's collectives
+issued from a second thread interleave with the main thread's differently on each rank.
+So the group is used on the main thread only, first at construction.
 """
 
 import json

@@ -7,7 +7,8 @@
 
 `--documents`: micro-batches cut into documents, with reset positions and attention kept
 inside each document (model/documents.py). `--loss-chunk N`: the loss in chunks of N
-positions (model/loss.py); `--loss-mask`: some positions out of the loss (`loss_masked`);
+positions (model/loss.py); `--loss-mask`: some positions out of the loss (`loss_masked`; the dump counts
+the chunk function's calls in forward and backward, `chunk_loss_calls`);
 `--recompute-modules`: selective recompute of these modules.
 """
 
@@ -24,7 +25,7 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-from common import full_named, loss_masked, microbatches, tiny_model
+from common import ChunkLossCalls, full_named, loss_masked, microbatches, tiny_model
 from megatron_stem import checkpoint
 from megatron_stem.config import ParallelConfig
 from megatron_stem.model import build_model
@@ -78,7 +79,9 @@ def main():
             logits = model(batches[0]["tokens"], **model_inputs(batches[0]))
         result["logits"] = gather_from_tensor_model_parallel_region(logits)
         model.train()
+    chunk_calls = ChunkLossCalls()
     result["loss"] = forward_backward(model, batches)
+    result["chunk_loss_calls"] = chunk_calls.close()
     result["grads"] = full_named(model, model.config, "grad")
 
     if args.save:

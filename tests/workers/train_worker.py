@@ -2,11 +2,12 @@
 
     torchrun --nproc_per_node N train_worker.py --data PREFIX --out FILE.json
              [--preempt-at STEP|-1] [--slow-save STEP:SECONDS] [--full-disk-at STEP]
-             [--kill-at STEP]
+             [--kill-at STEP] [--cost-per-document SECONDS] [--say-model-built]
              [section.field=value ...]
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -16,6 +17,7 @@ import threading
 import time
 
 from common import TINY
+from host_reads import HostReads
 from megatron_stem.config import Recipe, apply_overrides, from_dict
 from megatron_stem.runtime.errors import cli
 from megatron_stem.training.loop import run
@@ -48,19 +50,27 @@ class StopDuringStartup(VocabOnlyTokenizer):
 
 
 def delay_the_rest(seconds: float) -> None:
-    """`tables.overlap: next_step` runs the rows the next step's first micro-batch reads
-    first, then those of its later micro-batches, then the rest, in the background: hold
-    back all but the first, so the next forward surely runs before them (and the second
-    micro-batch's lookups must wait for their rows)."""
+    """`tables.overlap: next_step` updates the rows the next step's first micro-batch
+    reads first, then those of its later micro-batches, then the rest, in the background:
+    hold back the arithmetic of all but the first, so the next forward surely runs before
+    them (and the second micro-batch's lookups must wait for their rows)."""
     from megatron_stem.tables.overlap import STAGE_NAMES, Overlap
 
-    run = Overlap._run
+    launch = Overlap.launch
 
-    def delayed(self, job):
-        if not job.name.endswith(STAGE_NAMES[0]):
+    def delayed(job):
+        compute = job.compute
+
+        def later():
             time.sleep(seconds)
-        run(self, job)
-    Overlap._run = delayed
+            compute()
+        return job if job.name.endswith(STAGE_NAMES[0]) else \
+            dataclasses.replace(job, compute=later)
+
+    def launch_delayed(self, stages, rest):
+        launch(self, [[(param, delayed(job)) for param, job in stage] for stage in stages],
+               [delayed(job) for job in rest])
+    Overlap.launch = launch_delayed
 
 
 def slow_save(step: int, seconds: int, full_disk_at: int) -> None:
@@ -81,16 +91,46 @@ def slow_save(step: int, seconds: int, full_disk_at: int) -> None:
     shard_writes._write_buckets = slow
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
+               "all_to_all", "all_to_all_single", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier",
+               "gather", "gather_object", "scatter", "scatter_object_list", "send", "recv",
+               "isend", "irecv", "batch_isend_irecv", "monitored_barrier",
+               "all_reduce_coalesced", "new_group", "new_subgroups_by_enumeration")
+
+
 def record_collectives() -> list:
-    """Every collective the tables issue, as (communicator, thread, op), in issue order."""
-    from megatron_stem.tables.comm import Comm
+    """Every collective this process issues through torch.distributed (whoever calls it:
+    ours, DeepSpeed's, megatron's), as (thread, op, the group's ranks or "its own" for a
+    group of this rank alone), in issue order; one made of others (`all_gather_object`,
+    `new_subgroups_by_enumeration`) once."""
+    import inspect
 
-    issued, check = [], Comm._check
+    import torch.distributed as dist
 
-    def recorded(self, op, *tensors):
-        issued.append((self.name, threading.current_thread().name, op))
-        check(self, op, *tensors)
-    Comm._check = recorded
+    issued, inside = [], threading.local()
+
+    def recorded(op, collective):
+        signature = inspect.signature(collective)
+
+        def run(*args, **kwargs):
+            if not getattr(inside, "depth", 0):  # the outermost call
+                group = signature.bind_partial(*args, **kwargs).arguments.get("group")
+                ranks = "world" if group is None or not hasattr(group, "size") else \
+                    dist.get_process_group_ranks(group)
+                if ranks == [dist.get_rank()]:
+                    ranks = "its own"  # (the same group on every rank)
+                issued.append((threading.current_thread().name, op, ranks))
+            inside.depth = getattr(inside, "depth", 0) + 1
+            try:
+                return collective(*args, **kwargs)
+            finally:
+                inside.depth -= 1
+        return run
+    for op in COLLECTIVES:
+        setattr(dist, op, recorded(op, getattr(dist, op)))
+        if hasattr(dist.distributed_c10d, op):
+            setattr(dist.distributed_c10d, op, getattr(dist, op))
     return issued
 
 
@@ -103,12 +143,25 @@ def plant_nan(step: int) -> None:
     take, calls = TableOptimizer._local_row_grads, [0]
 
     def planted(self):
-        ids, grads = take(self)
+        ids, grads, looked_up = take(self)
         calls[0] += 1
         if calls[0] == step and dist.get_rank() == 1:
             grads[0][0, 0] = float("nan")
-        return ids, grads
+        return ids, grads, looked_up
     TableOptimizer._local_row_grads = planted
+
+
+def say_model_built() -> None:
+    """Each rank prints `model built` once the trainer has built its model."""
+    from megatron_stem.training import loop
+
+    build = loop.build_model
+
+    def said(*args, **kwargs):
+        model = build(*args, **kwargs)
+        print("model built", flush=True)
+        return model
+    loop.build_model = said
 
 
 @cli
@@ -117,7 +170,8 @@ def main():
     ap.add_argument("--data", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--preempt-at", type=int, default=0,
-                    help="rank 0 sends itself SIGUSR1 after this step; -1: during start-up")
+                    help="rank 0 sends itself SIGUSR1 before this step (after the one before "
+                         "it), whose end the run then stops at; -1: during start-up")
     ap.add_argument("--rss", action="store_true",
                     help="each rank writes its peak RSS after every step to OUT.rss<rank>")
     ap.add_argument("--plant-nan", type=int, default=0,
@@ -133,7 +187,15 @@ def main():
     ap.add_argument("--kill-at", type=int, default=0,
                     help="every rank kills itself (SIGKILL) after this step")
     ap.add_argument("--record-collectives", action="store_true",
-                    help="each rank writes the tables' collectives to OUT.collectives<rank>")
+                    help="each rank writes its collectives to OUT.collectives<rank>")
+    ap.add_argument("--count-host-reads", action="store_true",
+                    help="each rank writes its main thread's reads of the device, step by "
+                         "step, to OUT.reads<rank> (host_reads.py)")
+    ap.add_argument("--cost-per-document", type=float, default=0.0,
+                    help="seconds the data cache's build is predicted to spend on a document: "
+                         "a stand-in for a corpus whose whole cache is refused at start")
+    ap.add_argument("--say-model-built", action="store_true",
+                    help="each rank prints 'model built' once the model is")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     data = {"model": {**TINY, "stem_layers": "1/2"},
@@ -146,10 +208,14 @@ def main():
     recipe = from_dict(Recipe, apply_overrides(data, args.overrides))
 
     peaks = []  # this process's peak RSS (bytes) after each step
+    reads = HostReads() if args.count_host_reads else None
+    reads_by_step = []  # [(kind, site), ...] of each step, from the end of the one before
 
     def on_step(step):
         peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        if step == args.preempt_at and int(os.environ["RANK"]) == 0:
+        if reads is not None:
+            reads_by_step.append(reads.take())
+        if step + 1 == args.preempt_at and int(os.environ["RANK"]) == 0:
             os.kill(os.getpid(), signal.SIGUSR1)
         if step == args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -162,6 +228,12 @@ def main():
     if args.plant_nan:
         plant_nan(args.plant_nan)
     issued = record_collectives() if args.record_collectives else None
+    if args.cost_per_document:
+        from megatron_stem.data import sample_cache
+
+        sample_cache.SECONDS_PER_DOCUMENT = args.cost_per_document
+    if args.say_model_built:
+        say_model_built()
     # A real tokenizer when the recipe names one (in-loop lm-eval reads text).
     tokenizer = None if recipe.data.tokenizer_model else \
         (StopDuringStartup if args.preempt_at < 0 else VocabOnlyTokenizer)(recipe.model.vocab_size)
@@ -170,6 +242,9 @@ def main():
         peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         with open(f"{args.out}.rss{os.environ['RANK']}", "w") as f:
             json.dump(peaks, f)
+    if reads is not None:
+        with open(f"{args.out}.reads{os.environ['RANK']}", "w") as f:
+            json.dump(reads_by_step, f)
     if issued is not None:
         with open(f"{args.out}.collectives{os.environ['RANK']}", "w") as f:
             json.dump(issued, f)
