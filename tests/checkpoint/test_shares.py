@@ -5,7 +5,7 @@ verified once) and no rank more than 0.6 of them; a rank's peak host memory duri
 is at most what it writes (its one host copy) plus `SAVE_OVERHEAD`, the bound
 docs/checkpoints.md states. The code before, which gathered every dense optimizer state
 on every rank at a save and read the whole model and every dense state on every rank at a
-resume, read 3.8 times the checkpoint here, 0.96 of it on one rank, and held twice its
+resume, read 3.8 times the checkpoint here, 0.96 of it on one rank, and held three times its
 share at a save (`python bench/checkpoint.py --hidden 256`)."""
 
 import json
