@@ -30,7 +30,7 @@ def _verify(ckpt: Path) -> str:
 
 @cli
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--checkpoint", required=True, help="save dir or iter_N checkpoint folder")
     ap.add_argument("--all", action="store_true", help="every iter_N folder of a save dir")
     args = ap.parse_args(argv)
