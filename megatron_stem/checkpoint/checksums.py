@@ -4,9 +4,8 @@
 
 Every file of the folder but recipe.yaml (checked by its content, and editable by hand)
 gets its size and an xxh3_64 checksum. xxh3 because it is the fastest of those measured
-(one core, 256 MB in memory: xxh3_64 23 GB/s, crc32c 14, xxh64 10, zlib.crc32 2.8, sha1
-1.7; `python bench/checkpoint.py` measures it from storage): verifying a checkpoint costs
-about what reading it costs. Sizes alone miss damage that keeps a file's length.
+(docs/checkpoints.md, "What is verified when": `python bench/checkpoint_storage.py`), so
+verifying a checkpoint costs about what reading it costs. Sizes alone miss damage that keeps a file's length.
 
 A save hashes each file as it writes it (`HashedStream`, in whichever thread writes the
 file: shard_writes.py), so its commit reads no file back; files written by other means
