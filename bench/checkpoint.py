@@ -1,246 +1,386 @@
-"""Checkpoint save and load rates on this machine, and what a 1B save takes from them.
+"""Checkpoints at N ranks through the trainer, this code against the code before it: what
+each rank reads at resume, holds in host memory and waits at a save, at growing sizes,
+fitted and carried to 32 ranks and the 1B recipe's checkpoint.
 
-    python bench/checkpoint.py [--size-mb 1024] [--dir DIR] [--dp 32] [--ranks-per-node 8]
-                               [--verify-gb 4.1]
+    python bench/checkpoint.py [--ranks 4] [--hidden 128,256,384,512] [--before REV|none]
+                               [--dir DIR] [--json FILE]
 
-Measures one process writing and reading a megatron dist checkpoint (torch_dist, the
-training's save strategy, fsync included; the page cache is dropped for the files before
-the load, so it reads from storage), and how long a save keeps the training thread:
-synchronous against `train.async_save` (checkpoint/background.py: blocked only while the state
-is copied to host memory). Then predicts the 1B save (recipes/stem_1b.yaml,
-bf16 weights + fp32 master and two Adam moments for every parameter) per rank at data
-parallel `--dp`, for three layouts of who writes what:
+Each size is recipes/tiny_cpu.yaml widened (hidden size H, FFN 3H, vocabulary 4,096, two
+STEM tables; fp32, TP1, DP = `--ranks`, `train.async_save` as the 1B recipes), trained on
+synthetic tokens. For this checkout and for `--before` (default: the revision before
+saves stopped gathering, read from git into a temporary folder; `none` skips it), three
+trainer runs under torchrun:
 
-* rank 0 writes all            the behaviour before the fully parallel save strategy;
-* parallel, replicated tables  `tables.partition: replicated`: each DP-replicated tensor
-                               is written by one rank, whole tensors balanced over DP
-                               (megatron's greedy distribution), so a 4.2 GB table state
-                               is one rank's;
-* parallel, sharded tables     `tables.partition: sharded` (the default): each rank
-                               writes the table state rows it owns (1/DP), the weights
-                               (tables included) and dense states balanced as above.
+1. two steps, the checkpoint saved at the last: per rank, the time the step waits at the
+   save (until the background writer starts), the time the commit takes, and the peak host
+   memory above the rank's memory before the save (VmHWM reset as the save starts: the
+   host copy, the gathered states, the writer's buffers);
+2. a resume from it under strace: the bytes each rank reads from the checkpoint's files
+   (read, pread64, readv, preadv), load and checksum verification together;
+3. the same resume without strace: the time until the optimizer states are in.
 
-Then compares checksum algorithms on one core over 256 MB in memory (crc32c only where
-the `crc32c` package is installed), and times ours (megatron_stem/checkpoint/checksums.py) over one
-rank's share of a 1B
-checkpoint (`--verify-gb`, 4.1 GB at DP32: a synthetic file): as a save computes them,
-right after writing (the file still in the page cache), and as a resume or
-tools/verify_checkpoint.py does, from storage (page cache dropped).
-
-A node's ranks write at once: the node time assumes they share this process's rate (a
-parallel filesystem usually gives a node more; scale by your storage's per-node rate).
-SLURM's stop warning in slurm/*.sbatch is 300 s (`--signal=B:USR1@300`).
+Then a line per metric is fitted over the sizes against the quantity the design says it
+grows with (the checkpoint's bytes, or a rank's share of them: what it writes, or the
+dense optimizer state that the code before gathered on every rank) and evaluated at 32
+ranks for the 1B recipe's checkpoint (recipes/stem_1b.yaml: bf16 weights, fp32 masters and
+moments, 93 GB). On a CPU the times are a shared machine's: read the ratios.
 """
 
+from __future__ import annotations
+
 import argparse
+import io
+import json
 import os
+import re
 import shutil
+import subprocess
+import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing import ShardedTensor
-
-from megatron_stem.checkpoint.background import BackgroundSave
-from megatron_stem.checkpoint import parallel_save_strategy
-from megatron_stem.checkpoint.checksums import digest
-from megatron_stem.config import ParallelConfig, load_recipe
-from megatron_stem.runtime.parallel import destroy_distributed, init_distributed
-
 ROOT = Path(__file__).resolve().parent.parent
-WARNING_S = 300
+BEFORE = "f2cd9c7"  # the last revision whose saves gather the dense states on every rank
+VOCAB = 4096
+STEPS = 2  # the save is at the last step: the writer runs and commits within the save call
+# One file per thread (`-ff`: `<prefix>.<thread id>`), so no call is split across lines.
+STRACE = ["strace", "-ff", "-qq", "-s", "0", "-y", "--seccomp-bpf",
+          "-e", "trace=read,pread64,readv,preadv,preadv2"]
+READ = re.compile(r"^\w+\(\d+<([^>]*)>.*\)\s+=\s+(\d+)$")
+TARGET_RANKS = 32
 
 
-def _state(size_mb: int, parts: int = 8, fill: bool = True) -> dict:
-    numel = size_mb * 2**20 // 4 // parts
-    return {f"t{i}": ShardedTensor.from_rank_offsets(
-        f"t{i}", torch.randn(numel) if fill else torch.empty(numel), replica_id=0)
-        for i in range(parts)}
+# -- what every rank runs (under torchrun) --------------------------------------------
+
+def _rss(field: str) -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(rf"{field}:\s+(\d+) kB", status)[1]) << 10
 
 
-def _drop_page_cache(folder: Path) -> None:
+def _timed(cls, name: str, record: dict, key: str, after=None):
+    """Wrap `cls.name` to add its duration (s) to `record[key]`; `after(result)` follows."""
+    original = getattr(cls, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        result = original(*args, **kwargs)
+        record[key] = record.get(key, 0.0) + time.perf_counter() - start
+        if after is not None:
+            after(result)
+        return result
+    setattr(cls, name, wrapper)
+
+
+def rank_side(args) -> None:
+    """One rank of a run: the trainer with the save or resume instrumented."""
+    import ctypes
+    import threading
+
+    import torch.distributed as dist
+
+    from megatron_stem.checkpoint.background import BackgroundSave
+    from megatron_stem.checkpoint.checkpointer import Checkpointer
+    from megatron_stem.checkpoint.commit import Writer
+    from megatron_stem.config import load_recipe
+    from megatron_stem.training.loop import run
+
+    record = {"rank": int(os.environ["RANK"]), "pid": os.getpid()}
+
+    def dump():
+        record["threads"] = [t.native_id for t in threading.enumerate()]
+        Path(args.out, f"rank{record['rank']}.json").write_text(json.dumps(record))
+
+    if args.phase == "save":
+        save, start = Checkpointer.save, BackgroundSave.start
+
+        def measured(self, step, force=False):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed memory back: RSS is what is held
+            before, entry = _rss("VmRSS"), time.perf_counter()
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here
+            record["entry"] = entry
+            saved = save(self, step, force)
+            if saved:
+                record.update(save_s=time.perf_counter() - entry, save_peak=_rss("VmHWM") - before)
+            return saved
+
+        def started(self):  # the step waits until the writer runs
+            start(self)
+            record["wait_s"] = time.perf_counter() - record["entry"]
+        Checkpointer.save, BackgroundSave.start = measured, started
+        _timed(Writer, "__exit__", record, "commit_s")
+    else:
+        _timed(Checkpointer, "__init__", record, "find_s")
+        _timed(Checkpointer, "load_weights", record, "weights_s")
+
+        def resumed(_):
+            dist.barrier()
+            dump()
+            os._exit(0)  # nothing else to measure: no step, no save
+        _timed(Checkpointer, "resume", record, "optimizer_s", after=resumed)
+
+    recipe = load_recipe(ROOT / "recipes" / "tiny_cpu.yaml", recipe_overrides(args))
+    run(recipe, _Tokenizer(VOCAB))
+    dump()
+
+
+class _Tokenizer:
+    """What megatron's dataset needs of a tokenizer, for pre-tokenized data."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size, self.eod, self.pad = vocab_size, vocab_size - 1, vocab_size - 2
+        self.unique_identifiers = {"class": "bench", "vocab_size": vocab_size}
+
+
+def recipe_overrides(args) -> list[str]:
+    h = args.hidden
+    return [f"model.hidden_size={h}", f"model.ffn_hidden_size={3 * h}",
+            f"model.vocab_size={VOCAB}", f"data.prefixes=[{args.data}]",
+            "train.micro_batch_size=2", f"train.global_batch_size={2 * args.ranks}",
+            f"train.steps={STEPS + (args.phase != 'save')}", f"train.save_interval={STEPS}",
+            "train.eval_interval=1000", "train.log_interval=1000", "train.async_save=true",
+            "train.keep_last=0", f"train.save_dir={args.save_dir}"]
+
+
+# -- the driver -------------------------------------------------------------------------
+
+def synthetic_data(prefix: Path) -> str:
+    """Random documents of 64-512 tokens over the vocabulary, as Megatron's .bin/.idx."""
+    import numpy as np
+    import torch
+
+    import megatron_stem  # noqa: F401 (before megatron-core: its warnings filtered)
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.uint16)
+    for _ in range(2000):
+        doc = rng.integers(0, VOCAB - 2, rng.integers(64, 512))
+        builder.add_document(torch.tensor(np.append(doc, VOCAB - 1)), [len(doc) + 1])
+    builder.finalize(str(prefix) + ".idx")
+    return str(prefix)
+
+
+def code_before(rev: str, folder: Path) -> Path:
+    """The package as of `rev`, from git, in `folder`."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", rev,
+                              "megatron_stem"], capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(folder, filter="data")
+    return folder
+
+
+def torchrun(code: Path, ranks: int, flags: list[str], out: Path, traced: Path | None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={ranks}", __file__, "--rank-side", "--out", str(out), *flags]
+    if traced is not None:
+        cmd = [*STRACE, "-o", str(traced), *cmd]
+    env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"a run failed ({' '.join(cmd[-6:])}):\n{proc.stdout[-3000:]}"
+                 f"\n{proc.stderr[-3000:]}")
+
+
+def ranks_of(out: Path) -> list[dict]:
+    return sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")),
+                  key=lambda r: r["rank"])
+
+
+def reads_per_rank(trace: Path, folder: Path, ranks: list[dict]) -> list[int]:
+    """Bytes each rank's threads read from files under `folder` (strace's `trace`.<tid>)."""
+    owner = {tid: r["rank"] for r in ranks for tid in [r["pid"], *r["threads"]]}
+    out, inside = [0] * len(ranks), str(folder) + "/"
+    for path in trace.parent.glob(trace.name + ".*"):
+        read = sum(int(m[2]) for line in path.read_text().splitlines()
+                   for m in [READ.match(line)] if m and m[1].startswith(inside))
+        tid = int(path.suffix[1:])
+        if read and tid not in owner:
+            raise RuntimeError(f"thread {tid} of no rank read {read} bytes of {folder}")
+        if read:
+            out[owner[tid]] += read
+    return out
+
+
+def written_per_rank(folder: Path, ranks: int) -> list[int]:
+    """Bytes of the checkpoint each rank wrote: its shard files; rank 0 also the rest."""
+    out = [0] * ranks
     for path in folder.rglob("*"):
         if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+            writer = re.match(r"__(\d+)_\d+\.distcp$", path.name)
+            out[int(writer[1]) if writer else 0] += path.stat().st_size
+    return out
 
 
-def measure(size_mb: int, folder: Path) -> tuple[float, float]:
-    """(save GB/s, load GB/s) of one process."""
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    state = _state(size_mb)
-    start = time.perf_counter()
-    dist_checkpointing.save(state, str(folder), sharded_strategy=parallel_save_strategy())
-    save_s = time.perf_counter() - start
-    _drop_page_cache(folder)
-    start = time.perf_counter()
-    loaded = dist_checkpointing.load(_state(size_mb, fill=False), str(folder))
-    load_s = time.perf_counter() - start
-    assert all(torch.equal(loaded[k], state[k].data) for k in state)
-    shutil.rmtree(folder)
-    gb = size_mb * 2**20 / 1e9
-    return gb / save_s, gb / load_s
+def measure(code: Path, hidden: int, ranks: int, data: str, work: Path, times: bool = True
+            ) -> dict:
+    """One size, one code: the three runs' figures (without `times`, the first two)."""
+    save_dir = work / "ckpt"
+    flags = ["--hidden", str(hidden), "--ranks", str(ranks), "--data", data,
+             "--save-dir", str(save_dir)]
+    torchrun(code, ranks, [*flags, "--phase", "save"], work / "save", None)
+    ckpt = save_dir / f"iter_{STEPS:07d}"
+    saves = ranks_of(work / "save")
+    torchrun(code, ranks, [*flags, "--phase", "resume"], work / "traced", work / "strace.txt")
+    traced = ranks_of(work / "traced")
+    resumes = []
+    if times:
+        torchrun(code, ranks, [*flags, "--phase", "resume"], work / "resume", None)
+        resumes = ranks_of(work / "resume")
+    size = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
+    return {"hidden": hidden, "ranks": ranks, "bytes": size,
+            "written": written_per_rank(ckpt, ranks),
+            "resume_reads": reads_per_rank(work / "strace.txt", ckpt, traced),
+            "resume_s": [r["find_s"] + r["weights_s"] + r["optimizer_s"] for r in resumes] or [0.0],
+            "wait_s": [r["wait_s"] for r in saves], "commit_s": [r["commit_s"] for r in saves],
+            "save_peak": [r["save_peak"] for r in saves],
+            "dense_state": dense_state_bytes(ckpt)}
 
 
-def blocking(size_mb: int, folder: Path) -> tuple[float, float, float]:
-    """Seconds a save of `size_mb` keeps the training thread: (synchronous save,
-    background save's blocked part, background save until whole and fsynced)."""
-    shutil.rmtree(folder, ignore_errors=True)
-    state = _state(size_mb)
-    sync_dir, async_dir = folder / "sync", folder / "async"
-    for d in (sync_dir, async_dir):
-        d.mkdir(parents=True)
-    start = time.perf_counter()
-    dist_checkpointing.save(state, str(sync_dir), sharded_strategy=parallel_save_strategy())
-    sync_s = time.perf_counter() - start
-    start = time.perf_counter()
-    background = BackgroundSave()
-    background.add(state, async_dir)
-    background.start()
-    blocked_s = time.perf_counter() - start
-    background.finish(async_dir)
-    whole_s = time.perf_counter() - start
-    loaded = dist_checkpointing.load(_state(size_mb, fill=False), str(async_dir))
-    assert all(torch.equal(loaded[k], state[k].data) for k in state)
-    shutil.rmtree(folder)
-    return sync_s, blocked_s, whole_s
+def dense_state_bytes(ckpt: Path) -> int:
+    """The fp32 masters and moments of the dense parameters in a checkpoint: what the code
+    before gathered whole on every rank at a save."""
+    from math import prod
+
+    from megatron_stem.checkpoint.unpickling import read_metadata
+
+    index = read_metadata(ckpt / "optim" / ".metadata").state_dict_metadata
+    return sum(4 * prod(item.size) for key, item in index.items()
+               if key.startswith("optimizer.") and ".mlp.table." not in key)
 
 
-def compare_checksums(megabytes: int = 256) -> dict[str, float]:
-    """{algorithm: GB/s} over `megabytes` of random bytes in memory, one core."""
-    import hashlib
-    import zlib
-
-    import xxhash
-
-    algorithms = {"xxh3_64": lambda b: xxhash.xxh3_64(b).digest(),
-                  "xxh64": lambda b: xxhash.xxh64(b).digest(),
-                  "zlib.crc32": zlib.crc32, "sha1": lambda b: hashlib.sha1(b).digest(),
-                  # megatron-core 0.18+'s `save(verify_integrity=True)` manifest
-                  "sha256": lambda b: hashlib.sha256(b).digest()}
-    try:
-        import crc32c
-        algorithms["crc32c"] = crc32c.crc32c
-    except ImportError:
-        pass
-    data = memoryview(os.urandom(megabytes << 20))
-    rates = {}
-    for name, fn in algorithms.items():
-        start = time.perf_counter()
-        fn(data)
-        rates[name] = len(data) / 1e9 / (time.perf_counter() - start)
-    return rates
+def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of y = a + b x."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - b * mx, b
 
 
-def measure_checksum(gb: float, folder: Path) -> tuple[float, float, float]:
-    """(write s, checksum s from the page cache, checksum s from storage) of a `gb` file."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "share.bin"
-    block = os.urandom(64 << 20)
-    start = time.perf_counter()
-    with open(path, "wb") as f:
-        for _ in range(int(gb * 1e9) // len(block)):
-            f.write(block)
-        f.flush()
-        os.fsync(f.fileno())
-    write_s = time.perf_counter() - start
-    start = time.perf_counter()
-    digest(path)
-    warm_s = time.perf_counter() - start
-    _drop_page_cache(folder)
-    start = time.perf_counter()
-    digest(path)
-    cold_s = time.perf_counter() - start
-    path.unlink()
-    return write_s, warm_s, cold_s
+# What each figure grows with, by design: (label, per-run value, predictor, the predictor
+# at the 1B recipe's checkpoint on `TARGET_RANKS` ranks).
+def metrics(target: dict) -> dict:
+    share = target["bytes"] / TARGET_RANKS
+    return {
+        "resume: reads of the rank that reads most, GB": (lambda m: max(m["resume_reads"]),
+                                        {"now": (lambda m: m["bytes"] / m["ranks"], share),
+                                         "before": (lambda m: m["bytes"], target["bytes"])}),
+        "save: host memory of the rank that holds most, GB": (lambda m: max(m["save_peak"]),
+                                             {"now": (lambda m: max(m["written"]), share),
+                                              "before": (lambda m: m["dense_state"],
+                                                         target["dense_state"])}),
+        "save: the step waits, s (CPU)": (lambda m: max(m["wait_s"]),
+                                    {"now": (lambda m: max(m["written"]), share),
+                                     "before": (lambda m: m["dense_state"],
+                                                target["dense_state"])}),
+        "commit, s": (lambda m: max(m["commit_s"]),  # now: reads nothing, whatever the size
+                      {"now": (lambda m: 0.0, 0.0),
+                       "before": (lambda m: max(m["written"]), share)}),
+        "resume, s (CPU)": (lambda m: max(m["resume_s"]),
+                      {"now": (lambda m: m["bytes"] / m["ranks"], share),
+                       "before": (lambda m: m["bytes"], target["bytes"])}),
+    }
 
 
-def tensors_1b(recipe) -> tuple[list[int], list[int], list[int]]:
-    """Bytes of every saved tensor of the 1B model: (dense weights and states, table
-    weights, table states). Each parameter has its weight (training dtype) and three fp32
-    optimizer states."""
-    m = recipe.model
-    d, ff, vocab, head = m.hidden_size, m.ffn_hidden_size, m.vocab_size, \
-        m.hidden_size // m.num_attention_heads
-    stem = set(m.stem_layer_indices)
-    dense = [vocab * d] * (2 if m.untie_embeddings else 1)
-    for layer in range(m.num_layers):
-        dense += [d * head * (m.num_attention_heads + 2 * m.kv_heads), d * d,
-                  ff * d * (1 if layer in stem else 2), ff * d]
-    tables = [vocab * ff] * len(stem)
-    weight = 2 if recipe.train.dtype == "bf16" else 4
-    table_weight = 4 if recipe.tables.placement == "host" else weight
-    return ([n * b for n in dense for b in (weight, 4, 4, 4)],
-            [n * table_weight for n in tables], [n * 4 for n in tables for _ in range(3)])
+def one_b() -> dict:
+    """The 1B recipe's checkpoint: its bytes and its dense optimizer state."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from checkpoint_storage import tensors_1b
 
+    from megatron_stem.config import load_recipe
 
-def rank_loads(sizes: list[int], ranks: int) -> list[int]:
-    """Bytes per rank when whole tensors go, largest first, to the least loaded rank
-    (megatron's `distribute_shards_to_ranks`)."""
-    load = [0] * ranks
-    for size in sorted(sizes, reverse=True):
-        load[load.index(min(load))] += size
-    return load
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size-mb", type=int, default=1024, help="checkpoint size to time")
-    ap.add_argument("--dir", default=None, help="where to write (default: a temp folder "
-                    "in the current directory: put it on the storage checkpoints go to)")
-    ap.add_argument("--dp", type=int, default=32, help="data-parallel ranks (1B: 4 x 8)")
-    ap.add_argument("--ranks-per-node", type=int, default=8)
-    ap.add_argument("--verify-gb", type=float, default=4.1,
-                    help="one rank's share of the checksums to time (0: skip)")
-    args = ap.parse_args()
-    init_distributed(ParallelConfig(), seed=0)
-    folder = Path(args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_", dir="."))
-    try:
-        save_rate, load_rate = measure(args.size_mb, folder / "ckpt")
-        sync_s, blocked_s, whole_s = blocking(args.size_mb, folder / "blocking")
-        checksum = measure_checksum(args.verify_gb, folder) if args.verify_gb else None
-    finally:
-        destroy_distributed()
-        if not args.dir:
-            shutil.rmtree(folder, ignore_errors=True)
-    print(f"{args.size_mb} MB, one process: save {save_rate:.2f} GB/s, load {load_rate:.2f} "
-          "GB/s (shared machine: noisy)")
-    print(f"the step waits: synchronous save {sync_s:.2f} s; train.async_save {blocked_s:.2f} "
-          f"s ({blocked_s / sync_s:.3f} of it; whole and fsynced after {whole_s:.2f} s, "
-          "in the background)")
-    rates = compare_checksums()
-    print("checksums, one core, in memory: " + ", ".join(
-        f"{name} {rate:.1f} GB/s" for name, rate in sorted(rates.items(), key=lambda x: -x[1])))
-    if checksum is not None:
-        write_s, warm_s, cold_s = checksum
-        gb = args.verify_gb
-        print(f"checksums of {gb:.1f} GB (one rank's share): {warm_s:.1f} s after writing "
-              f"({gb / warm_s:.1f} GB/s; the write took {write_s:.1f} s), {cold_s:.1f} s from "
-              f"storage ({gb / cold_s:.2f} GB/s)")
     dense, table_weights, table_states = tensors_1b(
         load_recipe(ROOT / "recipes" / "stem_1b.yaml"))
-    tables = table_weights + table_states
-    total = sum(dense) + sum(tables)
-    dp, node = args.dp, min(args.ranks_per_node, args.dp)
-    print(f"1B checkpoint: {total / 1e9:.1f} GB (dense {sum(dense) / 1e9:.1f}, tables "
-          f"{sum(tables) / 1e9:.1f}); DP {dp}, {node} ranks per node; at {save_rate:.2f} GB/s:")
-    print(f"{'layout':<30}{'GB/rank':>9}{'s/rank':>9}{'GB/node':>9}{'s/node':>9}  fits 300 s?")
-    layouts = {"rank 0 writes all": [total] + [0] * (dp - 1),
-               "parallel, replicated tables": rank_loads(dense + tables, dp),
-               "parallel, sharded tables": [load + sum(table_states) // dp for load
-                                            in rank_loads(dense + table_weights, dp)]}
-    for name, loads in layouts.items():
-        per_rank = max(loads)
-        per_node = max(sum(loads[i:i + node]) for i in range(0, dp, node))
-        seconds = per_node / 1e9 / save_rate
-        verdict = "yes, 2x margin" if seconds * 2 <= WARNING_S else \
-            "yes, under 2x margin" if seconds <= WARNING_S else "NO"
-        print(f"{name:<30}{per_rank / 1e9:>9.1f}{per_rank / 1e9 / save_rate:>9.0f}"
-              f"{per_node / 1e9:>9.1f}{seconds:>9.0f}  {verdict}")
+    return {"bytes": sum(dense) + sum(table_weights) + sum(table_states),
+            "dense_state": sum(size for i, size in enumerate(dense) if i % 4)}
+
+
+def report(results: dict[str, list[dict]]) -> list[str]:
+    """The figures as two Markdown tables: per size measured (each cell this code's figure,
+    then the code before's), and fitted to the 1B checkpoint on `TARGET_RANKS` ranks."""
+    def cells(values: list[float], form: str) -> str:
+        return " / ".join(form.format(v) for v in values)
+
+    target, codes = one_b(), list(results)
+    lines = ["| H | checkpoint | resume reads, all ranks | most by one rank | save: host memory, "
+             "most of a rank | a rank's share | the step waits | commit | resume |",
+             "|---:|---:|---|---|---|---:|---|---|---|"]
+    for runs in zip(*results.values()):
+        size = runs[0]["bytes"]
+        lines.append(
+            f"| {runs[0]['hidden']} | {size / 1e6:.0f} MB "
+            f"| {cells([sum(m['resume_reads']) / size for m in runs], '{:.2f}')} x "
+            f"| {cells([max(m['resume_reads']) / size for m in runs], '{:.2f}')} "
+            f"| {cells([max(m['save_peak']) / 1e6 for m in runs], '{:.0f}')} MB "
+            f"| {max(runs[0]['written']) / 1e6:.0f} MB "
+            f"| {cells([max(m['wait_s']) for m in runs], '{:.2f}')} s "
+            f"| {cells([max(m['commit_s']) for m in runs], '{:.2f}')} s "
+            f"| {cells([max(m['resume_s']) for m in runs], '{:.1f}')} s |")
+    lines += ["", f"| {TARGET_RANKS} ranks, the 1B checkpoint ({target['bytes'] / 1e9:.1f} GB) | "
+              + " | ".join(codes) + " |", "|---" + "|---:" * len(codes) + "|"]
+    for label, (value, predictors) in metrics(target).items():
+        fitted = []
+        for code in codes:
+            predictor, at = predictors[code]
+            runs = results[code]
+            a, b = fit([predictor(m) for m in runs], [value(m) for m in runs])
+            fitted.append((a + b * at) / (1e9 if "GB" in label else 1.0))
+        lines.append(f"| {label} | " + " | ".join(
+            f"{v:.2f}" if v < 10 else f"{v:,.0f}" for v in fitted) + " |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=4, help="data-parallel ranks (TP1)")
+    ap.add_argument("--hidden", default="128,256,384,512",
+                    help="hidden sizes to measure, comma-separated (FFN 3x)")
+    ap.add_argument("--before", default=BEFORE,
+                    help="git revision to compare with, or none (default: %(default)s)")
+    ap.add_argument("--dir", default=None, help="where to train and save (default: a "
+                    "temporary folder in the current one: put it on checkpoint storage)")
+    ap.add_argument("--json", default=None, help="write every figure here as well")
+    ap.add_argument("--no-times", action="store_true",
+                    help="skip the third run of each (the resume's time): reads and memory only")
+    ap.add_argument("--report", default=None, metavar="JSON",
+                    help="print the tables of an earlier run's --json, measuring nothing")
+    ap.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
+    for flag in ("--out", "--data", "--save-dir", "--phase"):
+        ap.add_argument(flag, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rank_side:
+        args.hidden = int(args.hidden)
+        return rank_side(args)
+    if args.report:
+        print("\n".join(report(json.loads(Path(args.report).read_text()))))
+        return
+    if shutil.which("strace") is None:
+        sys.exit("strace is needed to count each rank's reads (Debian: apt-get install strace)")
+    work = Path(args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_", dir="."))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        data = synthetic_data(work / "tokens")
+        codes = {"now": ROOT}
+        if args.before != "none":
+            codes["before"] = code_before(args.before, work / "before")
+        results = {code: [] for code in codes}
+        for hidden in map(int, args.hidden.split(",")):
+            for code, path in codes.items():
+                results[code].append(measure(path, hidden, args.ranks, data,
+                                             work / f"{code}_{hidden}", not args.no_times))
+                shutil.rmtree(work / f"{code}_{hidden}")
+                print(f"measured {code} at hidden {hidden}", flush=True)
+        print("\n".join(report(results)))
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+    finally:
+        if not args.dir:
+            shutil.rmtree(work, ignore_errors=True)
+
 
 if __name__ == "__main__":
     main()

@@ -1,11 +1,13 @@
-"""Check a megatron-stem checkpoint whole: every file there, at its size and checksum.
+"""Check a megatron-stem checkpoint whole: every file there, at its size and checksum, and
+every pickle in it data only (loading it runs no code).
 
     python tools/verify_checkpoint.py --checkpoint runs/stem-1b/checkpoints [--all]
 
 `--checkpoint` is a save dir (the checkpoint a resume would take: `latest`'s, else the
 newest whole one, each refusal said in one line) or one iter_N folder; `--all` checks
-every iter_N folder of a save dir. Exits 2 with one line naming the damaged file. It
-reads every byte (xxh3_64): about the time a cold load takes. See docs/checkpoints.md.
+every iter_N folder of a save dir. Exits 2 with one line naming the damaged (or tampered)
+file. It reads every byte (xxh3_64): about the time a cold load takes. See
+docs/checkpoints.md.
 """
 
 import argparse
@@ -28,7 +30,7 @@ def _verify(ckpt: Path) -> str:
 
 @cli
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--checkpoint", required=True, help="save dir or iter_N checkpoint folder")
     ap.add_argument("--all", action="store_true", help="every iter_N folder of a save dir")
     args = ap.parse_args(argv)

@@ -14,7 +14,8 @@ One `Checkpointer` per run, made by `training/loop.py` once the process group ex
 The weights go in before the engine exists because DeepSpeed (and `TableOptimizer`, for
 the tables) takes its fp32 master copy from the model when it is built; a run started
 from `train.init_from` without `train.init_optimizer` has no optimizer state that would
-put them there later.
+put them there later. Where the optimizer states follow (a resume), the dense weights come
+with them instead (their fp32 masters hold them exactly): a resume reads them once.
 
 A run started from another run's checkpoint (`train.init_from`: the next stage of a
 pipeline) is a new run: step 0, its own schedule, data, save_dir and logs. Only the
@@ -50,6 +51,7 @@ from megatron_stem.checkpoint.from_dense import is_dense_source
 from megatron_stem.checkpoint.layout import KEPT, iter_name, last_before, prune, read_recipe
 from megatron_stem.checkpoint.model_io import load_model, save_model
 from megatron_stem.checkpoint.optimizer_io import OPTIM, load_optimizers, save_optimizers
+from megatron_stem.checkpoint.shard_writes import ShardWrites
 from megatron_stem.checkpoint.train_state import (
     OPTIMIZER_STEPS,
     TRAIN_STATE,
@@ -70,7 +72,8 @@ class _InFlight(NamedTuple):
     step: int
     background: BackgroundSave
     folder: Path
-    writer: ExitStack  # the Writer's exit (its commit) still to call
+    writer: Writer
+    commit: ExitStack  # the Writer's exit (its commit) still to call
 
 
 class Checkpointer:
@@ -121,16 +124,18 @@ class Checkpointer:
     def load_weights(self, model) -> None:
         """The resume point's weights, or `train.init_from`'s, into `model`: a new run
         from a checkpoint keeps or re-initializes its tables (`train.init_tables`), and a
-        STEM run from a dense checkpoint starts fresh tables (`load_model`)."""
+        STEM run from a dense checkpoint starts fresh tables (`load_model`). Where the
+        optimizer states follow (`resume`), the dense weights come with their fp32 masters
+        and are not read here."""
         if self.resume_from is not None:
             check_same_shape(read_recipe(self.resume_from), self.recipe, self.resume_from)
-            load_model(model, self.resume_from)
+            load_model(model, self.resume_from, dense=False)
         elif self.init_from is not None:
             dense = self.dense_source
             check_same_shape(read_recipe(self.init_from), self.recipe, self.init_from,
                              dense_source=dense)
             load_model(model, self.init_from, self.recipe.train.init_tables,
-                       dense_source=dense)
+                       dense_source=dense, dense=not self.recipe.train.init_optimizer)
         self._weights_loaded = True
 
     def resume(self, model, engine, tables) -> int:
@@ -201,19 +206,23 @@ class Checkpointer:
         self.wait_for_save(f"step {step} | ")
         model, engine, tables = self._parts
         tables.finish()  # an overlapped update: the model's tables complete
-        background = BackgroundSave() if train.async_save else None
+        writes = BackgroundSave() if train.async_save else ShardWrites()
+        writer = Writer(self.save_dir, step, self.recipe)
         with ExitStack() as stack:
-            folder = stack.enter_context(Writer(self.save_dir, step, self.recipe))
-            save_model(model, folder, background)
-            save_optimizers(model, engine.optimizer, tables, folder, background)
+            folder = stack.enter_context(writer)
+            save_model(model, folder, writes)
+            save_optimizers(model, engine.optimizer, tables, folder, writes)
             if dist.get_rank() == 0:
-                save_train_state(folder, step, {
+                writer.record(save_train_state(folder, step, {
                     "consumed_samples": step * train.global_batch_size,
-                    "table_row_order": ROW_ORDER, OPTIMIZER_STEPS: tables.step_count})
-            if background is not None:  # committed once written (`_commit_in_flight`)
-                background.start()
-                self._in_flight = _InFlight(step, background, folder, stack.pop_all())
-        if background is None:
+                    "table_row_order": ROW_ORDER, OPTIMIZER_STEPS: tables.step_count}))
+            if isinstance(writes, BackgroundSave):  # committed once written everywhere
+                writes.start()
+                self._in_flight = _InFlight(step, writes, folder, writer, stack.pop_all())
+            else:
+                writes.write()
+                writer.record(writes.finish(folder))
+        if not train.async_save:
             self._saved(step)
         elif force or step == train.steps:
             self.wait_for_save()
@@ -230,17 +239,17 @@ class Checkpointer:
         self._commit_in_flight()
 
     def _commit_in_flight(self) -> None:
-        step, background, folder, writer = self._in_flight
+        step, background, folder, writer, commit = self._in_flight
         self._in_flight = None
         try:
-            background.finish(folder)
+            writer.record(background.finish(folder))
         except Exception as e:
-            writer.__exit__(type(e), e, e.__traceback__)  # not committed: latest unchanged
+            commit.__exit__(type(e), e, e.__traceback__)  # not committed: latest unchanged
             raise UserError(f"{folder}: the checkpoint of step {step} could not be written "
                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
                             "the last whole checkpoint is still the one `latest` names"
                             ) from None
-        writer.close()  # Writer's commit: COMPLETE, then `latest`
+        commit.close()  # Writer's commit: COMPLETE, then `latest`
         self._saved(step)
 
     def _saved(self, step: int) -> None:

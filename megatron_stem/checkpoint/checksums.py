@@ -4,21 +4,23 @@
 
 Every file of the folder but recipe.yaml (checked by its content, and editable by hand)
 gets its size and an xxh3_64 checksum. xxh3 because it is the fastest of those measured
-(one core, 256 MB in memory: xxh3_64 23 GB/s, crc32c 14, xxh64 10, zlib.crc32 2.8, sha1
-1.7; `python bench/checkpoint.py` measures it from storage): verifying a checkpoint costs
-about what reading it costs. Sizes alone miss damage that keeps a file's length.
+(docs/checkpoints.md, "What is verified when": `python bench/checkpoint_storage.py`), so
+verifying a checkpoint costs about what reading it costs. Sizes alone miss damage that keeps a file's length.
 
-Hashing is shared over the ranks (`record`, `check_contents` are collectives under a process
-group): rank r hashes the files it wrote (`__r_*.distcp`), the rest go round-robin, so
-each rank reads about its own share of a 1B checkpoint (~4 GB at DP32), not all of it.
-An asynchronous writer calls `record` once its files are durable. A marker written before
-checksums were kept holds sizes only (`{name: bytes}`), or nothing: those are checked as
-far as they go.
+A save hashes each file as it writes it (`HashedStream`, in whichever thread writes the
+file: shard_writes.py), so its commit reads no file back; files written by other means
+(an import, a tool) are hashed at the commit, shared over the ranks (`record`). Checking
+is shared too (`check_contents`, a collective under a process group): rank r hashes the
+files it wrote (`__r_*.distcp`), the rest go round-robin, so each rank reads about its own
+share of a 1B checkpoint (~3 GB at DP32), not all of it. A marker written before checksums
+were kept holds sizes only (`{name: bytes}`), or nothing: those are checked as far as they
+go.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -35,11 +37,52 @@ _WRITER_OF = re.compile(r"__(\d+)_\d+\.distcp$")  # a dist checkpoint file, by i
 
 def digest(path: Path) -> str:
     """The file's xxh3_64, as hex."""
-    h = xxhash.xxh3_64()
+    return entry_of(path)[ALGORITHM]
+
+
+def entry_of(path: Path, fsync: bool = False) -> dict:
+    """{"bytes", "xxh3_64"} of a file, read whole (`fsync`: made durable too)."""
+    h, size = xxhash.xxh3_64(), 0
     with open(path, "rb", buffering=0) as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
-    return h.hexdigest()
+            size += len(chunk)
+        if fsync:
+            os.fsync(f.fileno())
+    return {"bytes": size, ALGORITHM: h.hexdigest()}
+
+
+class HashedStream:
+    """A file being written, hashed as its bytes go out (what torch DCP's item writer
+    needs of a stream: `write`, `tell`, `flush`)."""
+
+    def __init__(self, file):
+        self.file = file
+        self._hash = xxhash.xxh3_64()
+
+    def write(self, data) -> int:
+        self._hash.update(data)
+        return self.file.write(data)
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def entry(self) -> dict:
+        """{"bytes", "xxh3_64"} of what was written so far."""
+        return {"bytes": self.file.tell(), ALGORITHM: self._hash.hexdigest()}
+
+
+def write_file(path: Path, data: bytes) -> dict:
+    """Write `data` as `path`, durably; its entry."""
+    with open(path, "wb") as f:
+        stream = HashedStream(f)
+        stream.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+        return stream.entry()
 
 
 def listed(folder: Path, exclude: str) -> list[str]:
@@ -69,12 +112,15 @@ def _gathered(mine):
     return every
 
 
-def record(folder: Path, exclude: str) -> dict[str, dict]:
-    """{file: {"bytes", "xxh3_64"}} of every file under `folder` but `exclude` (a
-    collective: each rank hashes its share; every rank gets the whole)."""
-    mine = {name: {"bytes": (folder / name).stat().st_size, ALGORITHM: digest(folder / name)}
-            for name in _mine(listed(folder, exclude))}
-    return {name: entry for part in _gathered(mine) for name, entry in part.items()}
+def record(folder: Path, exclude: str, known: dict[str, dict]) -> dict[str, dict]:
+    """{file: {"bytes", "xxh3_64"}} of every file under `folder` but `exclude`: `known`,
+    this rank's files as their writers hashed them, and every other rank's; the files no
+    rank knows (written by other means) hashed now and made durable, shared over the
+    ranks. A collective; every rank gets the whole."""
+    every = {name: entry for part in _gathered(known) for name, entry in part.items()}
+    rest = [name for name in listed(folder, exclude) if name not in every]
+    mine = {name: entry_of(folder / name, fsync=True) for name in _mine(rest)}
+    return every | {name: entry for part in _gathered(mine) for name, entry in part.items()}
 
 
 def write(marker: Path, entries: dict[str, dict]) -> None:

@@ -1,7 +1,10 @@
 """Writing one checkpoint so that it is whole or absent: `with Writer(save_dir, step,
-recipe) as folder:` every rank writes its parts into `iter_N.tmp/`; on a clean exit the
-files' sizes and checksums go into COMPLETE, the folder is renamed into place and `latest`
-replaced, each durably, so a crash mid-save never touches the last good checkpoint.
+recipe) as folder:` every rank writes its parts into `iter_N.tmp/`, makes each file
+durable and `record`s its size and checksum (computed as it was written); on a clean exit
+(the commit) the folders are fsynced, COMPLETE lists every rank's files, the folder is
+renamed into place and `latest` replaced, each durably, so a crash mid-save never touches
+the last good checkpoint. The commit reads no file its writers recorded; one no rank
+recorded (written by other means) is hashed and fsynced then.
 """
 
 from __future__ import annotations
@@ -40,16 +43,24 @@ class Writer:
         self.final = self.save_dir / iter_name(step)
         self.tmp = self.save_dir / (iter_name(step) + ".tmp")
         self.recipe = recipe
+        self._recorded: dict[str, dict] = {}
 
     def __enter__(self) -> Path:
         if is_writer():
             self.save_dir.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(self.tmp, ignore_errors=True)  # leftovers of a crashed save
             self.tmp.mkdir()
-            (self.tmp / RECIPE).write_text(yaml.safe_dump(to_dict(self.recipe), sort_keys=False))
-            (self.tmp / CODE_VERSION).write_text(code_version() + "\n")
+            checksums.write_file(self.tmp / RECIPE, yaml.safe_dump(
+                to_dict(self.recipe), sort_keys=False).encode())  # checked by its content
+            self.record({CODE_VERSION: checksums.write_file(
+                self.tmp / CODE_VERSION, (code_version() + "\n").encode())})
         barrier()
         return self.tmp
+
+    def record(self, entries: dict[str, dict]) -> None:
+        """Files this rank wrote under the folder and made durable: {name relative to the
+        folder: {"bytes", "xxh3_64"}}, for COMPLETE."""
+        self._recorded.update(entries)
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None:  # the .tmp folder is left; the last good one is untouched
@@ -62,8 +73,10 @@ class Writer:
                                    f"no earlier checkpoint in {self.save_dir}")) from None
             return False
         barrier()  # every rank has finished writing its parts
-        entries = checksums.record(self.tmp, exclude=RECIPE)  # every rank hashes a share
+        entries = checksums.record(self.tmp, RECIPE, self._recorded)
         if is_writer():
+            checksums.check_sizes(self.tmp, entries)  # what was recorded is what is there
+            durable.fsync_folders(self.tmp)
             checksums.write(self.tmp / COMPLETE, entries)
             if self.final.exists():
                 shutil.rmtree(self.final)

@@ -1,10 +1,14 @@
 """The optimizer states in a checkpoint (`iter_N/optim/`): the dense parameters' (DeepSpeed
-ZeRO) and the tables'.
+ZeRO) and the tables', one megatron dist checkpoint.
 
-They are written as a megatron dist checkpoint sharded exactly like the model
-parameters they belong to (TP-sliced, replicated over DP), so a checkpoint saved at one
-TP/DP layout resumes at any other: DeepSpeed's ZeRO partitions are assembled per parameter
-with its `safe_get_full_*` API on save and scattered back with `safe_set_full_*` on load.
+Each state is saved as the global tensor of the parameter it belongs to (TP-sliced as the
+parameter, whatever the DP size), so a checkpoint saved at one TP/DP layout or table
+partition resumes at any other. Every rank writes and reads only what it holds: its ZeRO
+partition of the dense states (`zero_state`: boxes of those tensors, views into the live
+partition) and its rows of the tables' states (`tables.partition: sharded`; whole tables,
+replicated over DP, are written by one rank and read by one, which sends them to the
+others: `strategy.py`). Loading fills the live states in place: no gather, no copy of a
+whole state on any rank.
 """
 
 from __future__ import annotations
@@ -13,39 +17,22 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from deepspeed.utils import (
-    safe_get_full_fp32_param,
-    safe_get_full_optimizer_state,
-    safe_set_full_fp32_param,
-    safe_set_full_optimizer_state,
-)
-from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
-from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
-from megatron_stem.checkpoint.model_io import save_sharded
-from megatron_stem.runtime.mcore_versions import check_readable
+from megatron_stem.checkpoint.model_io import load_sharded, save_sharded
+from megatron_stem.checkpoint.shard_writes import ShardWrites
+from megatron_stem.checkpoint.zero_state import link_states, partition_state
 from megatron_stem.tables.adam import replay_deepspeed_steps
 from megatron_stem.tables.optimizer import TableOptimizer
 
 OPTIM = "optim"
-STATE_KEYS = ("fp32_param", "exp_avg", "exp_avg_sq")
-# A resume holds the full fp32 states of this many bytes of dense parameters at a time
-# (18 GB for all of the 1B backbone at once, on every rank).
-DENSE_LOAD_BATCH_BYTES = 512 << 20
 
 
 def _param_shardings(model) -> dict[int, ShardedTensor | ShardedTensorFactory]:
     return {id(sh.data): sh for sh in nested_values(model.sharded_state_dict())
             if isinstance(sh, (ShardedTensor, ShardedTensorFactory))}
-
-
-def _dense_states(param) -> dict[str, torch.Tensor]:
-    return {"fp32_param": safe_get_full_fp32_param(param),
-            "exp_avg": safe_get_full_optimizer_state(param, "exp_avg"),
-            "exp_avg_sq": safe_get_full_optimizer_state(param, "exp_avg_sq")}
 
 
 def _row_shard(sh: ShardedTensor, tensor: torch.Tensor, prefix: str,
@@ -61,63 +48,39 @@ def _row_shard(sh: ShardedTensor, tensor: torch.Tensor, prefix: str,
                    else 0)
 
 
-def _optimizer_sharded_state(model, tables: TableOptimizer, states_of,
-                             names: set[str] | None = None) -> dict:
-    """{`<state>.<param key>`: sharded tensor} for every parameter (of `names`, default
-    all); `states_of(name, p)` returns the parameter's three state tensors. The same global
-    tensors whatever the layout (TP, DP, table partition), so any layout loads what any
-    other saved."""
+def _sharded_state(model, tables: TableOptimizer, table_states: dict) -> dict:
+    """{name: sharded tensor} of every optimizer state this rank holds: the tables'
+    (`table_states`, shaped like `tables.state_tensors()`) and its ZeRO partition of the
+    dense parameters'. The same global tensors whatever the layout (TP, DP, table
+    partition), so any layout loads what any other saved."""
     shardings = _param_shardings(model)
-    table_names, shard = set(tables.state_tensors()), tables.shard()
-    out = {}
+    shard = tables.shard()
+    out, dense = {}, []
     for name, param in model.named_parameters():
-        if names is not None and name not in names:
-            continue
         sh = shardings[id(param)]
-        for key, tensor in states_of(name, param).items():
+        if name not in table_states:
+            dense.append((param, sh))
+            continue
+        for key, tensor in table_states[name].items():
             prefix = f"optimizer.{key}"
             out[f"{key}.{sh.key}"] = _row_shard(sh, tensor, prefix, shard) \
-                if name in table_names and shard is not None \
-                else make_sharded_optimizer_tensor(sh, tensor, prefix)
-    return out
-
-
-def _link_optimizer_states(zero_optimizer) -> None:
-    """Point every parameter at its slice of the optimizer states.
-
-    DeepSpeed 0.19 links them once, right after the first param group's first step, when
-    later groups (our no-weight-decay norms) have no state yet: their `safe_get_full_*`
-    would fail. Linking all groups again once every group has state fixes that.
-    """
-    for i, _ in enumerate(zero_optimizer.optimizer.param_groups):
-        lazy_init_hp_params_optimizer_state(zero_optimizer.bit16_groups[i],
-                                            zero_optimizer.single_partition_of_fp32_groups[i],
-                                            zero_optimizer.optimizer.state)
+                if shard is not None else make_sharded_optimizer_tensor(sh, tensor, prefix)
+    return out | partition_state(dense)
 
 
 def save_optimizers(model, zero_optimizer, tables: TableOptimizer, folder: Path,
-                    background=None) -> None:
-    """The dense and table optimizer states into `folder` (`background`: planned and
-    copied now, written by it, `model_io.save_sharded`)."""
-    table_states = tables.state_tensors()
-    _link_optimizer_states(zero_optimizer)
-
-    def states_of(name, param):
-        if name in table_states:
-            return table_states[name]
-        if param.device.type != "cpu":  # gather to CPU once here, not inside the writer
-            return {k: v.cpu() for k, v in _dense_states(param).items()}
-        return _dense_states(param)
-
+                    writes: ShardWrites | None = None) -> None:
+    """The dense and table optimizer states into `folder` (planned into `writes`, or
+    written now: `model_io.save_sharded`)."""
+    link_states(zero_optimizer)
     (folder / OPTIM).mkdir(exist_ok=True)
-    save_sharded(_optimizer_sharded_state(model, tables, states_of), folder / OPTIM,
-                 background)
+    save_sharded(_sharded_state(model, tables, tables.state_tensors()), folder / OPTIM, writes)
 
 
 def _create_dense_states(zero_optimizer, step: int) -> None:
     """Materialize the inner optimizer's (lazily created) per-partition Adam states, with
-    the resumed step count for bias correction, so `safe_set_full_*` has tensors to fill.
-    DeepSpeed's CPU Adam (ZeRO-Offload) also gets its kernel's running beta powers back."""
+    the resumed step count for bias correction, for the load to fill in place. DeepSpeed's
+    CPU Adam (ZeRO-Offload) also gets its kernel's running beta powers back."""
     inner = zero_optimizer.optimizer
     if type(inner).__name__ == "DeepSpeedCPUAdam":
         group = inner.param_groups[0]
@@ -137,41 +100,18 @@ def _create_dense_states(zero_optimizer, step: int) -> None:
 
 def load_optimizers(model, zero_optimizer, tables: TableOptimizer, ckpt: Path,
                     step: int) -> None:
-    """Restore the dense and table optimizer states of `ckpt` with bounded memory: the
-    tables' (most of it) straight into the live tensors, each rank its own part; the dense
-    parameters' full states, which ZeRO then slices, a batch of parameters at a time."""
-    check_readable(ckpt / OPTIM)
+    """Restore the dense and table optimizer states of `ckpt` into the live ones: each rank
+    reads its ZeRO partition of the dense states and its part of the tables' into them.
+    The dense parameters are then set from their fp32 masters, as DeepSpeed does after
+    every step (a resume reads no dense weight: `model_io.load_model`'s `dense`)."""
     table_states = tables.state_tensors()
     _create_dense_states(zero_optimizer, step)
-    _link_optimizer_states(zero_optimizer)
-    if table_states:
-        dist_checkpointing.load(_optimizer_sharded_state(
-            model, tables, lambda name, _: table_states[name], set(table_states)),
-            str(ckpt / OPTIM))
-    dense = [(n, p) for n, p in model.named_parameters() if n not in table_states]
-    shardings = _param_shardings(model)
-    for batch in _batches(dense, DENSE_LOAD_BATCH_BYTES):
-        loaded = dist_checkpointing.load(_optimizer_sharded_state(
-            model, tables, lambda _, p: {k: torch.empty(p.shape) for k in STATE_KEYS},
-            {n for n, _ in batch}), str(ckpt / OPTIM))
-        for _, param in batch:
-            key = shardings[id(param)].key
-            safe_set_full_fp32_param(param, loaded[f"fp32_param.{key}"].to(param.device))
-            for k in ("exp_avg", "exp_avg_sq"):
-                safe_set_full_optimizer_state(param, loaded[f"{k}.{key}"].to(param.device), k)
+    link_states(zero_optimizer)
+    state = _sharded_state(model, tables, table_states)
+    targets = {name: sh.data for name, sh in state.items()}
+    loaded = load_sharded(state, ckpt / OPTIM)
+    for name, target in targets.items():  # what came from another rank's read: copied in
+        if loaded[name].data_ptr() != target.data_ptr():
+            target.copy_(loaded[name])
+    zero_optimizer.update_lp_params()
     tables.load_state_tensors(table_states, step)
-
-
-def _batches(named: list, budget: int):
-    """`named` (name, param) pairs in runs whose full fp32 states (3 x 4 bytes per
-    element) fit `budget` bytes (a larger parameter makes a run of its own)."""
-    batch, size = [], 0
-    for name, p in named:
-        need = 12 * p.numel()
-        if batch and size + need > budget:
-            yield batch
-            batch, size = [], 0
-        batch.append((name, p))
-        size += need
-    if batch:
-        yield batch

@@ -1,6 +1,8 @@
-"""How megatron writes a dist checkpoint here: its torch_dist format with the writes spread
-over the data-parallel replicas, a fixed number of files per rank, and its write results
-kept in this process (megatron would start a `spawn` process for them)."""
+"""How megatron writes and reads a dist checkpoint here: its torch_dist format with the
+writes and the reads spread over the data-parallel replicas (each byte written once and
+read once; what a rank needs from another's reads comes over the network), a fixed number
+of files per rank, and its write results kept in this process (megatron would start a
+`spawn` process for them)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
 )
-from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from megatron.core.dist_checkpointing.strategies.torch import (
+    TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
+)
 
 from megatron_stem.runtime.mcore_versions import SAVE_THREADS
 
@@ -27,6 +33,18 @@ def parallel_save_strategy() -> FullyParallelSaveStrategyWrapper | TorchDistSave
     if not dist.is_initialized() or not ps.model_parallel_is_initialized():
         return files
     return FullyParallelSaveStrategyWrapper(files, ps.get_data_parallel_group())
+
+
+def parallel_load_strategy() -> FullyParallelLoadStrategyWrapper | TorchDistLoadShardedStrategy:
+    """Megatron's torch_dist load with the reads spread over the data-parallel replicas:
+    each tensor shard that several replicas need is read by one of them (balancing the bytes
+    per rank) and broadcast to the others; a shard only one rank needs (its ZeRO partition
+    of the optimizer states, its rows of the tables' states) is read by that rank alone.
+    Without it every replica reads every replicated tensor."""
+    files = TorchDistLoadShardedStrategy()
+    if not dist.is_initialized() or not ps.model_parallel_is_initialized():
+        return files
+    return FullyParallelLoadStrategyWrapper(files, ps.get_data_parallel_group())
 
 
 def _keep_write_results_in_process() -> None:

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
 
+from megatron_stem.checkpoint.unpickling import SafeFileSystemReader
 from megatron_stem.runtime.errors import UserError
 
 
@@ -28,7 +29,7 @@ class CheckpointReader:
         if not (folder / ".metadata").is_file():
             raise UserError(f"{folder}: not a megatron dist checkpoint (no .metadata)")
         self.folder = folder
-        self._reader = dcp.FileSystemReader(str(folder))
+        self._reader = SafeFileSystemReader(str(folder))
         self._tensors = {k: v for k, v in self._reader.read_metadata().state_dict_metadata.items()
                          if isinstance(v, TensorStorageMetadata)}
 

@@ -3,12 +3,14 @@ optimizers' step count, as numbers and tensors only, read without unpickling any
 
 from __future__ import annotations
 
+import io
 import pickle
-import re
 from pathlib import Path
 
 import torch
 
+from megatron_stem.checkpoint.checksums import write_file
+from megatron_stem.checkpoint.unpickling import UNSUPPORTED, damaged
 from megatron_stem.runtime.errors import UserError
 
 TRAIN_STATE = "train_state.pt"
@@ -25,15 +27,18 @@ def optimizer_steps(state: dict) -> int:
     return state.get(OPTIMIZER_STEPS, state.get(STEPS_BEFORE, 0) + state["step"])
 
 
-def save_train_state(folder: Path, step: int, extra: dict) -> None:
+def save_train_state(folder: Path, step: int, extra: dict) -> dict[str, dict]:
     """`step`, the CPU generator's state and `extra`: numbers and tensors only, which
-    `load_train_state` reads without unpickling any object."""
+    `load_train_state` reads without unpickling any object. Written durably; returns its
+    entry for COMPLETE (`commit.Writer.record`)."""
     state = {"step": step, "rng_cpu": torch.get_rng_state(), **extra}
     bad = {k: type(v).__name__ for k, v in state.items()
            if not isinstance(v, (int, float, torch.Tensor))}
     if bad:
         raise TypeError(f"train state: numbers and tensors only, got {bad}")
-    torch.save(state, folder / TRAIN_STATE)
+    data = io.BytesIO()
+    torch.save(state, data)
+    return {TRAIN_STATE: write_file(folder / TRAIN_STATE, data.getvalue())}
 
 
 def load_train_state(ckpt: Path) -> dict:
@@ -45,21 +50,16 @@ def load_train_state(ckpt: Path) -> dict:
     try:
         state = torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        found = UNSUPPORTED.search(str(e))
         if found is None and "weights_only" not in str(e):
-            raise _damaged(path, e) from None
+            raise damaged(path, e) from None
         what = f"a Python object ({found[1]})" if found else "a Python object"
         raise UserError(f"{path}: refused: it holds {what}, not only the numbers and "
                         "tensors of a train state, and loading it could run code (this "
                         "project never writes one: the file was made or altered elsewhere)"
                         ) from None
     except Exception as e:  # a damaged zip or pickle stream: zip, UTF-8 and EOF errors
-        raise _damaged(path, e) from None
+        raise damaged(path, e) from None
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         raise UserError(f"{path}: damaged (no step in it)")
     return state
-
-
-def _damaged(path: Path, e: Exception) -> UserError:
-    detail = str(e).splitlines()[0][:80] if str(e).strip() else "empty or cut short"
-    return UserError(f"{path}: damaged ({type(e).__name__}: {detail})")

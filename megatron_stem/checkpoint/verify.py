@@ -1,12 +1,15 @@
-"""Whether a checkpoint is whole and of this model: its COMPLETE marker, its files' sizes
-and checksums (checksums.py), its recipe readable and of the same parameter shapes. Each
-refusal is one line naming the file."""
+"""Whether a checkpoint is whole, safe to load and of this model: its COMPLETE marker, its
+files' sizes and checksums (checksums.py), pickles that hold data only (unpickling.py), its
+recipe readable and of the same parameter shapes. Each refusal is one line naming the
+file."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_stem.checkpoint import checksums
+import torch.distributed as dist
+
+from megatron_stem.checkpoint import checksums, unpickling
 from megatron_stem.checkpoint.layout import COMPLETE, RECIPE, read_recipe
 from megatron_stem.runtime.errors import UserError
 
@@ -14,21 +17,34 @@ from megatron_stem.runtime.errors import UserError
 def verify(ckpt: Path, recipe=None, contents: bool = True) -> None:
     """Refuse, in one line naming the file, a checkpoint that is not whole: no COMPLETE
     marker, a file missing, of another size, or (`contents`) of other contents than when it
-    was saved, an unreadable recipe.yaml, or (given `recipe`) one of another model shape.
-    With `contents`, a collective under a process group: the checksums are shared over
-    the ranks (`checksums.check_contents`), and all refuse what any one found."""
+    was saved or holding a pickle that would run code as it loads, an unreadable
+    recipe.yaml, or (given `recipe`) one of another model shape. With `contents`, a
+    collective under a process group: the checksums are shared over the ranks
+    (`checksums.check_contents`), rank 0 reads the pickles (`unpickling.check`), and all
+    refuse what any one found."""
     if not contents:
         _check_layout(ckpt, recipe)
         return
-    problem = None
-    try:
-        entries = _check_layout(ckpt, recipe)
-    except UserError as e:
-        problem = str(e)
+    entries = _agreed(lambda: _check_layout(ckpt, recipe))
+    checksums.check_contents(ckpt, entries)
+    _agreed(lambda: [unpickling.check(index.parent)
+                     for index in sorted(ckpt.glob(f"*/{unpickling.METADATA}"))],
+            rank0_only=True)
+
+
+def _agreed(check, rank0_only: bool = False):
+    """`check()` on every rank (or on rank 0 alone), what it refused raised on every rank
+    (a collective under a process group); its result where it ran."""
+    problem = result = None
+    if not rank0_only or not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            result = check()
+        except UserError as e:
+            problem = str(e)
     problem = checksums.agreed(problem)
     if problem is not None:
         raise UserError(problem)
-    checksums.check_contents(ckpt, entries)
+    return result
 
 
 def _check_layout(ckpt: Path, recipe) -> dict[str, dict]:

@@ -34,6 +34,13 @@ def fsync_path(path: str | Path) -> None:
         os.close(fd)
 
 
+def fsync_folders(root: str | Path) -> None:
+    """Make the entries of `root` and of every folder under it durable (new files, renames;
+    the files' contents are their writers' to fsync)."""
+    for folder, _, _ in os.walk(root):
+        fsync_path(folder)
+
+
 FULL_BYTES = 64 << 20  # less free space than this after a failed write: the disk is full
 
 

@@ -8,13 +8,20 @@ filesystem or a download could otherwise run code at resume."""
 
 import json
 import pathlib
+import shutil
 
 import pytest
 import torch
 
 from megatron_stem.checkpoint.train_state import TRAIN_STATE, load_train_state, save_train_state
 from megatron_stem.runtime.errors import UserError
-from support.training_runs import assert_same_checkpoints, assert_same_curve, tensorboard_scalars
+from support.processes import ROOT
+from support.training_runs import (
+    assert_same_checkpoints,
+    assert_same_curve,
+    tensor_digests,
+    tensorboard_scalars,
+)
 from workers.common import TINY
 
 
@@ -86,6 +93,22 @@ def test_a_replicated_checkpoint_resumes_sharded_on_two_ranks(train, tmp_path):
                    name="sharded_resumed")
     assert first["step"] == 6 and second["step"] == 12
     assert_same_curve(first["losses"] + second["losses"], reference["losses"], rel=1e-6)
+
+BEFORE_PARTITIONS = ROOT / "tests" / "fixtures" / "checkpoint_before_partitions"
+
+
+@pytest.mark.integration  # the trainer runs under torchrun
+def test_a_checkpoint_saved_before_partitioned_states_resumes_bit_exactly(train, tmp_path):
+    """A checkpoint of the code that saved each dense optimizer state whole (DP2, step 2 of
+    4; tests/fixtures/make_checkpoint_fixture.py), resumed by this code at DP2: steps 3
+    and 4 give that code's uninterrupted losses, and the final checkpoint every one of its
+    tensors, bit for bit."""
+    expected = json.loads((BEFORE_PARTITIONS / "expected.json").read_text())
+    shutil.copytree(BEFORE_PARTITIONS / "iter_0000002", tmp_path / "iter_0000002")
+    shutil.copy(BEFORE_PARTITIONS / "latest", tmp_path)
+    resumed = train(2, *expected["overrides"], save_dir=tmp_path, name="before_partitions")
+    assert resumed["losses"] == expected["losses"]
+    assert tensor_digests(tmp_path / "iter_0000004") == expected["tensors"]
 
 # Peak memory of saving and resuming when the tables' optimizer state dominates: resuming
 # loads each rank's share of the table state straight into the live tensors (no

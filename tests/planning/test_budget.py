@@ -20,10 +20,10 @@ def bench_module(name: str):
 
 
 def test_a_checkpoint_is_every_saved_tensor():
-    """bench/checkpoint.py lists the 1B save's matrices tensor by tensor (its rank loads);
+    """bench/checkpoint_storage.py lists the 1B save's matrices tensor by tensor (its rank loads);
     the budget counts parameters: the same bytes and the norms' weights, dense and STEM,
     device and host tables."""
-    tensors_1b = bench_module("checkpoint").tensors_1b
+    tensors_1b = bench_module("checkpoint_storage").tensors_1b
     for name, overrides in (("stem_1b", []), ("dense_1b", []),
                             ("stem_1b", ["tables.placement=host", "tables.overlap=none"])):
         recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml", overrides)

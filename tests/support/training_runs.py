@@ -62,3 +62,13 @@ def saved_tensors(folder) -> dict[str, torch.Tensor]:
     dcp_to_torch_save(folder, folder.parent / f"{folder.name}.pt")
     state = torch.load(folder.parent / f"{folder.name}.pt", weights_only=False)
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def tensor_digests(ckpt) -> dict[str, str]:
+    """{"model/<key>" or "optim/<key>": xxh3 of its bytes} of every tensor of a checkpoint:
+    what a checkpoint's contents are, in a few kilobytes (tests/fixtures/)."""
+    import xxhash
+
+    return {f"{part}/{key}": xxhash.xxh3_64(
+        value.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        for part in ("model", "optim") for key, value in saved_tensors(ckpt / part).items()}

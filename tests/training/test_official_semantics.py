@@ -16,7 +16,7 @@ from megatron_stem.model.init import TRUNCATION
 from megatron_stem.training.loop import train_step
 from megatron_stem.training.engine import build_engine, split_parameters
 from megatron_stem.training.lr import lr_at
-from megatron_stem.checkpoint.optimizer_io import _link_optimizer_states
+from megatron_stem.checkpoint.zero_state import link_states
 from megatron_stem.tables.shards import interleaved_order
 from support.processes import ROOT
 from test_update import _backward
@@ -74,7 +74,7 @@ def _built(recipe):
 
 def _adam_states(engine, tables) -> dict[str, tuple[torch.Tensor, ...]]:
     """{name: (fp32 param, exp_avg, exp_avg_sq)} of every parameter."""
-    _link_optimizer_states(engine.optimizer)
+    link_states(engine.optimizer)
     out = {}
     for name, states in tables.state_tensors().items():  # rows in the checkpoint's order
         order = interleaved_order(len(states["exp_avg"]))

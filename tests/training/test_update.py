@@ -17,7 +17,7 @@ from megatron_stem.tables.comm import mark_host
 from megatron_stem.tables.row_grads import HOST_TOKENS
 from megatron_stem.training.deepspeed_setup import deepspeed_config
 from megatron_stem.training.engine import build_engine
-from megatron_stem.checkpoint.optimizer_io import _link_optimizer_states
+from megatron_stem.checkpoint.zero_state import link_states
 from workers.common import TINY, microbatches, tiny_model
 
 # The engine runs in this process: DeepSpeed at world size 1 (gloo), a tiny STEM model.
@@ -54,7 +54,7 @@ def _backward(engine, batches, scale_last=1.0) -> float:
 def _state(engine, tables) -> dict[str, torch.Tensor]:
     """Every trained number: parameters, the backbone's fp32 master and moments, the
     tables' state, and the step counts."""
-    _link_optimizer_states(engine.optimizer)
+    link_states(engine.optimizer)
     out = {f"param/{n}": p.detach().clone() for n, p in engine.module.named_parameters()}
     for n, p in engine.module.named_parameters():
         if not getattr(p, "stem_table", False):

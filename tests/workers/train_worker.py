@@ -78,18 +78,17 @@ def slow_save(step: int, seconds: int, full_disk_at: int) -> None:
     step `full_disk_at`'s finds the disk full."""
     import errno
 
-    from megatron_stem.checkpoint import background
-    from megatron_stem.checkpoint import iter_name
+    from megatron_stem.checkpoint import iter_name, shard_writes
 
-    write = background._write_buckets
+    write = shard_writes._write_buckets
 
     def slow(transforms, buckets, results):
         if buckets and f"{iter_name(step)}.tmp" in buckets[0][0]:
             time.sleep(seconds)
         if buckets and f"{iter_name(full_disk_at)}.tmp" in buckets[0][0]:
             raise OSError(errno.ENOSPC, "No space left on device")
-        write(transforms, buckets, results)
-    background._write_buckets = slow
+        return write(transforms, buckets, results)
+    shard_writes._write_buckets = slow
 
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
