@@ -108,6 +108,22 @@ def corpus_texts() -> list[str]:
     return texts + UNICODE_DOCS
 
 
+@pytest.fixture(scope="module")
+def cluster():
+    """A real two-node SLURM cluster on this machine (tests/support/slurm_cluster.py), one per
+    test file that asks for it."""
+    from support.slurm_cluster import SlurmCluster, missing_tools
+
+    if os.geteuid() != 0:
+        pytest.fail("the SLURM tests need root (network namespaces); run them through .ci/run "
+                    "or set STEM_SKIP_SLURM_TESTS=1")
+    if missing_tools():
+        pytest.fail(f"missing {', '.join(missing_tools())}: apt-get install -y slurm-wlm munge "
+                    "(.ci/run does), or set STEM_SKIP_SLURM_TESTS=1")
+    with SlurmCluster(nodes=2) as c:
+        yield c
+
+
 @pytest.fixture(scope="session")
 def sp_model(tmp_path_factory) -> str:
     """A 1,000-piece SentencePiece model trained (by our trainer) on the shipped corpus."""

@@ -277,7 +277,8 @@ def test_a_users_mistake_is_one_line_once_without_torchruns_report(tmp_path, ran
 
 
 def test_arrays_that_can_be_empty_expand_safely_under_bash_4_2():
-    text = LAUNCH.read_text()
+    text = "".join((ROOT / "slurm" / name).read_text()
+                   for name in ("launch.sh", "job.sh", "acceptance.sh"))
     maybe_empty = set(re.findall(r"read -r -a (\w+)", text))
     assert maybe_empty >= {"_stem_prefixes", "_stem_overrides"}
     for name in maybe_empty:
