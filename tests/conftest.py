@@ -196,7 +196,8 @@ SLOWEST_FIRST = [
     "test_training_tables.py", "test_output.py", "test_preprocess_identity.py",
     "test_quality_bench.py", "test_guard.py", "test_parallel_parity.py", "test_planner.py",
     "test_preprocess.py", "test_lm_eval.py", "test_editing.py", "test_lazy_imports.py",
-    "test_stages.py", "test_full_disk.py", "test_stop.py",
+    "test_stages.py", "test_build_data_cache.py", "test_sample_cache.py", "test_full_disk.py",
+    "test_stop.py",
 ]
 
 

@@ -17,7 +17,7 @@ OWN_LINES = re.compile("|".join([
     r"training on [\d,]+ of [\d,]+ documents", r"wrote .+", r" *[\d.]+% \| [\d,]+ docs \| .+",
     r"[\d,]+ documents, [\d,]+ tokens from .+", r"this run: .+", r"model: total .+",
     r"step \d+(/\d+)? \| .+", r"building .+, once per environment, .+", r"done: .+",
-    r"nothing left to train: .+"]))
+    r"nothing left to train: .+", r"data cache: building .+"]))
 
 
 def quickstart(folder, *overrides: str) -> subprocess.CompletedProcess:

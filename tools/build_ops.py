@@ -3,8 +3,9 @@
     python tools/build_ops.py
 
 Compiles what training loads (DeepSpeed's CPU Adam, the tables' row Adam built from its
-source; on CPU also DeepSpeed's shared-memory collectives), a minute or two each, into the folder every run of this environment then
-loads them from (see megatron_stem/runtime/jit_ops.py). Run it once after `pip install`; a second run
+source; on CPU also DeepSpeed's shared-memory collectives), a minute or two each, and the
+data cache's blend (a second), into the folder every run of this environment then loads
+them from (see megatron_stem/runtime/jit_ops.py). Run it once after `pip install`; a second run
 finds them built and returns at once.
 
     python tools/build_ops.py --within 90
@@ -30,6 +31,9 @@ def main(argv=None) -> int:
     if args.within is not None and not jit_ops.build_all_within(args.within):
         return 3
     built = jit_ops.build_all()
+    from megatron_stem.data import blend
+
+    built.append(blend.kernel().__name__)
     print(f"ready in {jit_ops.extensions_dir()}: {', '.join(built)}")
     return 0
 

@@ -1,6 +1,6 @@
 """Edit or inject knowledge in a STEM model through its table rows; show and measure it.
 
-    python tools/edit_knowledge.py --checkpoint runs/stem_1b --edits edits.yaml \\
+    python tools/edit_knowledge.py --checkpoint runs/stem-1b/checkpoints --edits edits.yaml \\
         --prompt "The capital of Spain is" [--top-k 5] [--max-new-tokens 8] \\
         [--bake] [--output runs/stem_1b_edited] [--eval facts.yaml --json report.json]
 

@@ -1,6 +1,6 @@
 """Export a megatron-stem checkpoint as a Hugging Face model folder.
 
-    python tools/to_hf.py --checkpoint runs/stem_1b --output hf/stem_1b \\
+    python tools/to_hf.py --checkpoint runs/stem-1b/checkpoints --output hf/stem_1b \\
         [--dtype bf16] [--tokenizer tokenizer/stem.model]
 
 `--checkpoint` is a save dir (its `latest` is exported) or one iter_N folder, written at

@@ -1,6 +1,6 @@
 """Check a megatron-stem checkpoint whole: every file there, at its size and checksum.
 
-    python tools/verify_checkpoint.py --checkpoint runs/stem_1b [--all]
+    python tools/verify_checkpoint.py --checkpoint runs/stem-1b/checkpoints [--all]
 
 `--checkpoint` is a save dir (the checkpoint a resume would take: `latest`'s, else the
 newest whole one, each refusal said in one line) or one iter_N folder; `--all` checks

@@ -23,6 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
+from megatron_stem.runtime import page_cache
 from megatron_stem.runtime.durable import fsync_path, read_json, write_json
 from megatron_stem.runtime.errors import UserError
 
@@ -61,6 +62,11 @@ class IndexHeader:
     documents: int  # entries in the document index (documents + 1)
 
     @property
+    def dtype_code(self) -> int:
+        """megatron's `DType` code of the token dtype."""
+        return _DTYPE_CODES[self.dtype]
+
+    @property
     def lengths_offset(self) -> int:
         return _HEADER_SIZE
 
@@ -74,14 +80,26 @@ class IndexHeader:
 
 
 def read_header(path: str) -> IndexHeader:
-    with open(path, "rb") as f:
-        raw = f.read(_HEADER_SIZE)
+    (raw,) = page_cache.pread_randomly(path, [(0, _HEADER_SIZE)])
     if len(raw) < _HEADER_SIZE or raw[:len(_HEADER)] != _HEADER:
         raise UserError(f"{path}: not a Megatron .idx file")
     version, code, sequences, documents = struct.unpack("<QBQQ", raw[len(_HEADER):])
     if version != _VERSION or code not in _CODE_DTYPES:
         raise UserError(f"{path}: unsupported .idx version {version} / dtype code {code}")
     return IndexHeader(_CODE_DTYPES[code], sequences, documents)
+
+
+def tokens_between(prefix: str, header: IndexHeader, begin: int, end: int) -> int:
+    """Tokens of sequences [begin, end) of `prefix`: the difference of two byte pointers
+    (past the last sequence, the `.bin`'s size), not a sum of lengths. Megatron's builders
+    write each pointer as the sum of the lengths before it, which `checks.check_token_files`
+    holds the last one to and building a dataset's indices checks whole (data/sample_cache.py)."""
+    wanted = [i for i in (begin, end) if i < header.sequences]
+    read = iter(page_cache.pread_randomly(idx_path(prefix), [
+        (header.pointers_offset + 8 * i, 8) for i in wanted]))
+    pointers = [int(np.frombuffer(next(read), np.int64)[0]) if i < header.sequences
+                else os.path.getsize(bin_path(prefix)) for i in (begin, end)]
+    return (pointers[1] - pointers[0]) // np.dtype(header.dtype).itemsize
 
 
 def index_size(documents: int) -> int:

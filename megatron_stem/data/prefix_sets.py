@@ -37,7 +37,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from megatron_stem.data.checks import check_token_files, max_token_id
-from megatron_stem.data.indexed import bin_path, idx_path, index_size, merge, read_header
+from megatron_stem.data.indexed import (IndexHeader, bin_path, idx_path, index_size, merge,
+                                        read_header)
 from megatron_stem.runtime.durable import fsync_path, read_json, write_json
 from megatron_stem.runtime.errors import UserError
 
@@ -260,7 +261,7 @@ def read_manifest(folder: str, field: str) -> list[Prefix]:
     return prefixes
 
 
-def _single(prefix: str, field: str) -> Prefix:
+def _single(prefix: str, field: str) -> tuple[Prefix, IndexHeader]:
     missing = [p for p in (bin_path(prefix), idx_path(prefix)) if not os.path.isfile(p)]
     if missing:
         raise UserError(f"{field}: {missing[0]} not found (give the path without .bin/.idx, "
@@ -270,41 +271,45 @@ def _single(prefix: str, field: str) -> Prefix:
     except UserError as e:
         raise UserError(f"{field}: {e}") from None
     return Prefix(prefix, header.sequences,
-                  os.path.getsize(bin_path(prefix)) // np.dtype(header.dtype).itemsize)
+                  os.path.getsize(bin_path(prefix)) // np.dtype(header.dtype).itemsize), header
 
 
 def resolve(entry: str, field: str, vocab_size: Optional[int] = None) -> list[Prefix]:
     """The prefixes of one data entry, each checked to exist, to fit megatron's ids (the
-    count its `.idx` header gives) and to be whole (`checks.check_token_files`: sizes, and
-    with `vocab_size` a sample of its ids, and for a prefix set every id: the largest, which
-    its manifest records)."""
-    if not is_prefix_set(entry):
-        prefixes = [_single(entry, field)]
+    count its `.idx` header gives) and to be whole (`checks.check_token_files`: sizes); with
+    `vocab_size`, its ids too: a prefix set's every id (the largest, which its manifest
+    records), else a sample."""
+    in_set = is_prefix_set(entry)
+    if not in_set:
+        found = [_single(entry, field)]
     else:
-        listed = read_manifest(entry, field)
-        prefixes = [Prefix(p.path, _single(p.path, f"{field} ({entry}/{MANIFEST})").documents,
-                           p.tokens, p.max_token_id) for p in listed]
-    for prefix in prefixes:
-        check_documents(prefix, field)
+        found = []
+        for p in read_manifest(entry, field):
+            single, header = _single(p.path, f"{field} ({entry}/{MANIFEST})")
+            found.append((Prefix(p.path, single.documents, p.tokens, p.max_token_id), header))
+    for prefix, header in found:
+        check_documents(prefix, field, in_set)
         if vocab_size is not None and (prefix.max_token_id or -1) >= vocab_size:
             raise UserError(f"{field}: token id {prefix.max_token_id} in "
                             f"{bin_path(prefix.path)} is >= model.vocab_size {vocab_size} "
                             f"(the largest, from {entry}/{MANIFEST}): data made with another "
                             "tokenizer?")
+        sample = vocab_size if prefix.max_token_id is None else None
         try:
-            check_token_files(prefix.path, vocab_size)
+            check_token_files(prefix.path, sample, header)
         except UserError as e:
             raise UserError(f"{field}: {e}") from None
-    return prefixes
+    return [prefix for prefix, _ in found]
 
 
-def check_documents(prefix: Prefix, field: str) -> None:
+def check_documents(prefix: Prefix, field: str, in_set: bool = False) -> None:
     if prefix.documents > MAX_DOCUMENTS:
+        remedy = ("preprocess it again with a lower --prefix-max-documents" if in_set else
+                  "write the corpus as a prefix set instead (preprocess_data.py without "
+                  "--single-prefix, --prefix-max-documents) and name its folder")
         raise UserError(
             f"{field}: {prefix.path} holds {prefix.documents:,} documents, more than "
-            f"megatron-core's int32 document ids allow ({MAX_DOCUMENTS:,}); write the corpus "
-            "as a prefix set instead (preprocess_data.py without --single-prefix, "
-            "--prefix-max-documents) and name its folder")
+            f"megatron-core's int32 document ids allow ({MAX_DOCUMENTS:,}); {remedy}")
 
 
 def resolve_blend(entries: list[str], weights: Optional[list[float]],

@@ -1,7 +1,9 @@
-"""DeepSpeed's JIT-compiled ops: built once per environment, in one folder, announced.
+"""JIT-compiled ops: built once per environment, in one folder, announced.
 
 DeepSpeed compiles its C++ ops (CPU Adam; on CPU also its shared-memory collectives) the
-first time they load, a minute or two each, under `$TORCH_EXTENSIONS_DIR`. The folder is
+first time they load, a minute or two each, under `$TORCH_EXTENSIONS_DIR`; our own are the
+tables' row Adam (a torch extension, the same way) and plain C libraries loaded with
+ctypes (`load_library`: the data cache's blend, a second to compile). The folder is
 keyed by the CPU model (ops are built with -march=native: a home directory shared by nodes
 of different CPUs would otherwise load illegal code) and by the environment (two virtual
 environments, or two torch/DeepSpeed versions, would otherwise rebuild each other's ops).
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import functools
 import hashlib
 import io
@@ -25,6 +28,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from megatron_stem.runtime import file_locks
 from megatron_stem.runtime.errors import UserError
 
 
@@ -105,20 +109,14 @@ def _ask_cpuinfo_once() -> None:
 QUIET_WAIT_S = 10.0
 
 
+_NO_LOCKS_REMEDY = ("set TORCH_EXTENSIONS_DIR to a local folder (each node then builds the "
+                    "ops once)")
+
+
 def _os_lock(fd: int, lock: Path, exclusive: bool = True, blocking: bool = True) -> bool:
     """flock on `fd`; False when another process holds it and `blocking` is off."""
-    import fcntl
-
-    mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-    try:
-        fcntl.flock(fd, mode | (0 if blocking else fcntl.LOCK_NB))
-        return True
-    except BlockingIOError:
-        return False
-    except OSError as e:  # ENOLCK, EOPNOTSUPP: a filesystem without file locks
-        raise UserError(f"{lock}: the ops' build lock needs file locks, which its filesystem "
-                        f"refuses ({e.strerror}): set TORCH_EXTENSIONS_DIR to a local folder "
-                        "(each node then builds the ops once)") from None
+    return file_locks.lock(fd, lock, "the ops' build lock", _NO_LOCKS_REMEDY, exclusive,
+                           blocking)
 
 
 def held_by_another(lock: Path) -> bool:
@@ -211,6 +209,44 @@ def build_all_within(seconds: float) -> bool:
     print(f"the ops' build {reason}: this run uses the torch kernel "
           "(optimizer.tables.kernel: torch)", flush=True)
     return False
+
+
+# A plain C library: megatron's arithmetic exactly (no fused multiply-add), vectorized for
+# this CPU (the folder is keyed by its model).
+C_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd", "-shared", "-fPIC"]
+
+
+def load_library(source: Path, what: str) -> ctypes.CDLL:
+    """`source` (C, no Python headers) compiled with the C compiler (`$CC`, else `cc`)
+    into the extensions folder, once per source and environment, under the build lock; a
+    library appears under its name only when whole."""
+    digest = hashlib.sha1(source.read_bytes() + " ".join(C_FLAGS).encode()).hexdigest()[:10]
+    folder = extensions_dir() / source.stem
+    library = folder / f"{source.stem}-{digest}.so"
+    if not library.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        with file_locks.held(folder / "lock", "the ops' build lock", _NO_LOCKS_REMEDY):
+            if not library.is_file():
+                _compile(source, library, what)
+    return ctypes.CDLL(str(library))
+
+
+def _compile(source: Path, library: Path, what: str) -> None:
+    compiler = os.environ.get("CC", "cc")
+    if _speaks():
+        print(f"building {what}, once per environment (into {library.parent})", flush=True)
+    partial = library.with_name(f"{library.name}.{os.getpid()}.tmp")
+    try:
+        done = subprocess.run([compiler, *C_FLAGS, "-o", str(partial), str(source), "-lm"],
+                              capture_output=True, text=True)
+    except FileNotFoundError:
+        raise UserError(f"building {what} ({source.name}) needs a C compiler: {compiler} "
+                        "not found (install gcc, or set CC)") from None
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        first = (done.stderr.strip().splitlines() or ["no output"])[0]
+        raise UserError(f"building {what} ({source.name}) with {compiler} failed: {first}")
+    os.replace(partial, library)
 
 
 def load_cpu_adam():

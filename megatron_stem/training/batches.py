@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from megatron.core.datasets.utils import Split
 
-from megatron_stem.config import DataConfig, Recipe
+from megatron_stem.config import DataConfig, ParallelConfig, Recipe
 from megatron_stem.data.prefix_sets import resolve_blend
 from megatron_stem.data.sample_cache import Plan, build, dataset_config
 from megatron_stem.model.documents import document_boundaries
@@ -66,6 +66,16 @@ def default_cache_dir(data: DataConfig) -> str:
     return os.path.join(os.path.dirname(first) or ".", "cache")
 
 
+def data_parallel_size(parallel: ParallelConfig, ranks: int, field: str) -> int:
+    """A run of `ranks` ranks' data-parallel size, as megatron's parallel state makes it:
+    the ranks over each model replica's (tensor x pipeline parallel)."""
+    replica = parallel.tensor_parallel * parallel.pipeline_parallel
+    if ranks < 1 or ranks % replica:
+        raise UserError(f"{field}: {ranks} is not a positive multiple of "
+                        f"parallel.tensor_parallel x parallel.pipeline_parallel ({replica})")
+    return ranks // replica
+
+
 @dataclass(frozen=True)
 class Samples:
     """How many samples a run reads: training (steps x global batch) and each validation
@@ -110,14 +120,14 @@ def load_datasets(plans: dict[Optional[str], Plan], split_validates: bool
                   ) -> tuple[object, dict[Optional[str], object]]:
     """(train dataset, {None: the split's validation if any, name: each set's}) from a
     ready cache."""
-    train, valid, _ = plans[None].datasets(deferred=True)
+    train, valid, _ = plans[None].datasets()
     if train is None or (split_validates and valid is None):
         raise UserError(f"data.split: {plans[None].config.split!r} leaves no documents for "
                         "training or validation; give both a share")
     sets = {None: valid} if split_validates else {}
     for name, plan in plans.items():
         if name is not None:
-            sets[name] = plan.datasets(deferred=True)[Split.valid.value]
+            sets[name] = plan.datasets()[Split.valid.value]
     return train, sets
 
 
@@ -125,7 +135,7 @@ def open_datasets(recipe: Recipe, tokenizer, samples: Samples):
     """(train, validation sets) of a recipe in one process, its cache built where missing:
     for tools and tests outside a run."""
     run_plans = plans(recipe, tokenizer, samples)
-    build([p for p in run_plans.values() if not p.ready()])
+    build(list(run_plans.values()))
     return load_datasets(run_plans, recipe.data.split_validates)
 
 
@@ -149,7 +159,7 @@ class StepBatches:
         self.dataset, self.mbs, self.gbs = dataset, micro_batch_size, global_batch_size
         self.per_rank = global_batch_size // dp_size
         self.dp_rank, self.device = dp_rank, device
-        self.samples = len(dataset)  # once: a deferred dataset's length reads its lengths
+        self.samples = len(dataset)
         config = dataset.config  # what the dataset's samples hold
         self.keys = ("tokens", "labels", "loss_mask") + (
             ("position_ids",) if config.reset_position_ids else ())

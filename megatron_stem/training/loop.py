@@ -1,6 +1,7 @@
 """The training loop: `run(recipe)` builds the run's parts, then steps until `train.steps`
 or a stop signal, saving, evaluating and logging on the way.
 
+    batches, valid = _data(recipe, ...)      # the data cache first: refused before the model
     checkpointer = Checkpointer(recipe)      # where the run starts (checkpoint/checkpointer.py)
     model = build_model(...)
     checkpointer.load_weights(model)         # before the engine copies them
@@ -126,12 +127,13 @@ def _data(recipe: Recipe, tokenizer) -> tuple[Prefetcher, dict[str | None, list[
     """This data-parallel rank's training batches (by step, read ahead) and validation
     micro-batches of each set: None the split's, then the named sets of `data.validation`.
     The datasets' sample indices come from the shared cache (data/sample_cache.py), built
-    here by rank 0 only when that is quick."""
+    here by rank 0 only when that is quick: the first thing a run reads, so a cache that
+    must be built first is refused before the model is."""
     train = recipe.train
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     samples = Samples.of(recipe, dp)
     plans = data_plans(recipe, tokenizer, samples)
-    prepare(list(plans.values()), dist.get_rank(), dist.barrier,
+    prepare(list(plans.values()), dist.get_rank(),
             f"python tools/build_data_cache.py --recipe <this recipe> [its overrides] "
             f"--ranks {dist.get_world_size()}")
     train_ds, sets = load_datasets(plans, recipe.data.split_validates)
@@ -170,6 +172,7 @@ def run(recipe: Recipe, tokenizer=None, on_step=None, stop_after: int | None = N
     try:
         check_world(recipe, dist.get_world_size(), local_world_size())
         check_ranks(recipe.profile, dist.get_world_size())
+        batches, valid = _data(recipe, tokenizer)
         downstream = DownstreamEval.start(recipe, tokenizer)  # None: lm_eval.interval 0
         checkpointer = Checkpointer(recipe)  # where the run starts; says any fallback
         model = build_model(recipe.model, recipe.parallel, seed=train.seed,
@@ -178,7 +181,6 @@ def run(recipe: Recipe, tokenizer=None, on_step=None, stop_after: int | None = N
         engine, tables, update = build_engine(model, recipe)
         step = checkpointer.resume(model, engine, tables)  # and saves these from now on
 
-        batches, valid = _data(recipe, tokenizer)
         metrics = Metrics(recipe, first_step=step + 1)
         metrics.start(checkpointer.origin())
         guard = Guard(recipe.guard, checkpointer.keep_before, checkpointer.rewind,

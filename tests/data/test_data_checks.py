@@ -13,9 +13,11 @@ import pytest
 
 from support.processes import ROOT, subprocess_env
 from megatron_stem.config import DataConfig
-from megatron_stem.data.checks import max_token_id, size_text
+from megatron_stem.data.checks import SAMPLE_SPANS, SPAN_BYTES, max_token_id, size_text
 from megatron_stem.runtime.errors import UserError
+from megatron_stem.runtime import page_cache
 from megatron_stem.training.batches import check_training_data
+from support.token_files import write_prefix, write_set
 from support.training_runs import progressions, write_documents
 
 
@@ -121,3 +123,28 @@ def test_a_prefix_sets_largest_id_is_checked_whole_from_its_manifest(tmp_path):
     entries[0]["max_token_id"] = 299  # without the record, sampling misses it
     (folder / MANIFEST).write_text(json.dumps(set_record({"format": 1}, entries)))
     check_training_data(DataConfig(prefixes=[str(folder)]), 4096)
+
+
+def resident_bins(folder) -> dict[str, int]:
+    return {p.name: page_cache.resident(str(p)) for p in sorted(folder.rglob("*.bin"))}
+
+
+def test_the_checks_read_only_the_pages_they_sample(tmp_path):
+    """Each span of ids is read with the kernel's read-ahead off: the start brings 16 spans
+    of 8 kB of each `.bin` into memory, not the windows around them (a mapping without
+    MADV_RANDOM read 130 MB of a 0.9 GB file)."""
+    paths = [str(tmp_path / f"p{i}") for i in range(3)]
+    for i, path in enumerate(paths):
+        write_prefix(path, 60_000, seed=i, vocab_size=70_000)  # int32 ids, 5 MB
+        page_cache.drop(f"{path}.bin")
+    assert set(resident_bins(tmp_path).values()) == {0}
+    check_training_data(DataConfig(prefixes=paths), 70_000)
+    assert set(resident_bins(tmp_path).values()) == {SAMPLE_SPANS * SPAN_BYTES}
+
+
+def test_a_prefix_sets_ids_are_read_from_its_manifest_not_sampled(tmp_path):
+    write_set(tmp_path / "set", [20_000, 20_000], seed=5, vocab_size=70_000)
+    for path in (tmp_path / "set").glob("*.bin"):
+        page_cache.drop(str(path))
+    check_training_data(DataConfig(prefixes=[str(tmp_path / "set")]), 70_000)
+    assert set(resident_bins(tmp_path).values()) == {0}

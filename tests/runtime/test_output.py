@@ -220,6 +220,23 @@ def test_a_filesystem_without_file_locks_is_one_line(tmp_path, monkeypatch):
         jit_ops.load(FakeBuilder(), "the fake op")
 
 
+def test_a_c_library_is_compiled_once_and_without_a_compiler_is_one_line(tmp_path, monkeypatch,
+                                                                          capsys):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    source = tmp_path / "twice.c"
+    source.write_text("int twice(int x) { return 2 * x; }\n")
+    assert jit_ops.load_library(source, "the test's library").twice(21) == 42
+    assert capsys.readouterr().out == (f"building the test's library, once per environment "
+                                       f"(into {tmp_path / 'ext' / 'twice'})\n")
+    assert jit_ops.load_library(source, "the test's library").twice(4) == 8
+    assert capsys.readouterr().out == ""  # built: loaded
+    source.write_text("int twice(int x) { return x + x; }\n")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(UserError, match=r"^building the test's library \(twice.c\) needs a C "
+                       r"compiler: .*no-such-cc not found \(install gcc, or set CC\)$"):
+        jit_ops.load_library(source, "the test's library")
+
+
 @pytest.mark.skipif(not hasattr(cpp_extension, "FileBaton"),
                     reason="torch 2.14+ takes an OS lock itself")
 def test_torch_2_13_builds_take_the_os_lock(tmp_path):

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node N train_worker.py --data PREFIX --out FILE.json
              [--preempt-at STEP|-1] [--slow-save STEP:SECONDS] [--full-disk-at STEP]
-             [--kill-at STEP]
+             [--kill-at STEP] [--cost-per-document SECONDS] [--say-model-built]
              [section.field=value ...]
 """
 
@@ -152,6 +152,19 @@ def plant_nan(step: int) -> None:
     TableOptimizer._local_row_grads = planted
 
 
+def say_model_built() -> None:
+    """Each rank prints `model built` once the trainer has built its model."""
+    from megatron_stem.training import loop
+
+    build = loop.build_model
+
+    def said(*args, **kwargs):
+        model = build(*args, **kwargs)
+        print("model built", flush=True)
+        return model
+    loop.build_model = said
+
+
 @cli
 def main():
     ap = argparse.ArgumentParser()
@@ -179,6 +192,11 @@ def main():
     ap.add_argument("--count-host-reads", action="store_true",
                     help="each rank writes its main thread's reads of the device, step by "
                          "step, to OUT.reads<rank> (host_reads.py)")
+    ap.add_argument("--cost-per-document", type=float, default=0.0,
+                    help="seconds the data cache's build is predicted to spend on a document: "
+                         "a stand-in for a corpus whose whole cache is refused at start")
+    ap.add_argument("--say-model-built", action="store_true",
+                    help="each rank prints 'model built' once the model is")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     data = {"model": {**TINY, "stem_layers": "1/2"},
@@ -211,6 +229,12 @@ def main():
     if args.plant_nan:
         plant_nan(args.plant_nan)
     issued = record_collectives() if args.record_collectives else None
+    if args.cost_per_document:
+        from megatron_stem.data import sample_cache
+
+        sample_cache.SECONDS_PER_DOCUMENT = args.cost_per_document
+    if args.say_model_built:
+        say_model_built()
     # A real tokenizer when the recipe names one (in-loop lm-eval reads text).
     tokenizer = None if recipe.data.tokenizer_model else \
         (StopDuringStartup if args.preempt_at < 0 else VocabOnlyTokenizer)(recipe.model.vocab_size)
