@@ -88,8 +88,10 @@ class Checkpointer:
         self.recipe = recipe
         self.save_dir = Path(recipe.train.save_dir)
         # What starting from a checkpoint costs this rank: seconds and bytes read
-        # (checking its share of the checksums, loading), said on the run's first line.
+        # (checking its share of the checksums, loading); `resume` takes every rank's
+        # most (`_read_most`), said on the run's first line.
         self._read = [0.0, 0.0]
+        self._read_most: list[float] | None = None
         with self._reading():
             self.resume_from = agreed_resume_point(self.save_dir, recipe)
         if self.resume_from is not None:
@@ -129,9 +131,10 @@ class Checkpointer:
         return f"initialized from {self.init_from} ({what}){self._read_line()}"
 
     def _read_line(self) -> str:
-        seconds, most = self._read
-        return f" (read in {seconds:.2f} s, at most {most / 1e9:.2f} GB by a rank)" \
-            if most else ""
+        if self._read_most is None:  # not read yet
+            return ""
+        seconds, most = self._read_most
+        return f" (read in {seconds:.2f} s, at most {most / 1e9:.2f} GB by a rank)"
 
     @contextmanager
     def _reading(self):
@@ -185,7 +188,7 @@ class Checkpointer:
             # rank starts from the same checkpoint)
             most = torch.tensor(self._read, dtype=torch.float64, device=device())
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
-            self._read = most.tolist()
+            self._read_most = most.tolist()
         return step
 
     def keep_before(self, step: int) -> str | None:
