@@ -12,7 +12,7 @@
 # - `stem_srun_ranks RDZV_ID ARGS...`: one torchrun per node (slurm/torchrun.py, srun with
 #   one task per node, in the container when there is one), one rank per GPU, running ARGS
 #   (`-m megatron_stem.train --recipe ...`); `stem_srun_nodes ARGS...`: `python ARGS` once
-#   on every node, at once.
+#   on every node, at once; `stem_srun_one ARGS...`: once, on the first node.
 # The includer installs its signal handlers before sourcing this (the environment's set-up
 # can take a while, and a stop can come at any time).
 
@@ -184,8 +184,14 @@ stem_srun_ranks() {
 }
 
 # stem_srun_nodes ARGS...: `python ARGS` once on every node, at once, in the ranks'
-# environment.
-stem_srun_nodes() {
-    srun --nodes="$_stem_nnodes" --ntasks-per-node=1 --cpus-per-task="$_stem_cpus" \
+# environment; stem_srun_one ARGS...: once, on the first node: a world of one (the batch
+# shell's SLURM_NTASKS counts the job's nodes, which torch.distributed would wait for).
+stem_srun_nodes() { _stem_srun_python "$_stem_nnodes" "$@"; }
+stem_srun_one() { _stem_srun_python 1 "$@"; }
+_stem_srun_python() {
+    local nodes=$1
+    shift
+    # --ntasks too: srun would take the batch shell's SLURM_NTASKS (the job's) for it
+    srun --nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1 --cpus-per-task="$_stem_cpus" \
         ${_stem_srun_container[@]+"${_stem_srun_container[@]}"} "${_stem_python[@]}" "$@"
 }

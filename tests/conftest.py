@@ -191,7 +191,8 @@ def facts_models(world1, tmp_path_factory):
 # so a long file left to the end would run alone on one core while the other waits. Files
 # not named run after these, in their usual order.
 SLOWEST_FIRST = [
-    "test_training_instruments.py", "test_slurm.py", "test_gpu_script.py", "test_resume.py",
+    "test_training_instruments.py", "test_slurm.py", "test_slurm_acceptance.py",
+    "test_gpu_script.py", "test_resume.py",
     "test_quickstart.py", "test_hf.py", "test_analysis.py", "test_training.py",
     "test_training_tables.py", "test_output.py", "test_preprocess_identity.py",
     "test_quality_bench.py", "test_guard.py", "test_parallel_parity.py", "test_planner.py",
