@@ -404,12 +404,10 @@ def markdown(summary: dict) -> str:
     lines += ["", "| stage | check | measured | predicted | ratio | verdict | refit predicts |",
               "|---|---|---:|---:|---:|---|---:|"]
     for c in summary["checks"]:
-        unit = f" {c['unit']}" if c["unit"] and c["unit"] != "%" else ""
-        lines.append(f"| {c['stage']} | {c['name']} | {_number(c['measured'], c['unit'])}"
-                     f"{unit if c['measured'] is not None else ''} | "
-                     f"{_number(c['predicted'], c['unit'])} | "
+        figure = [_figure(c[k], c["unit"]) for k in ("measured", "predicted", "predicted_refit")]
+        lines.append(f"| {c['stage']} | {c['name']} | {figure[0]} | {figure[1]} | "
                      f"{'-' if c['ratio'] is None else format(c['ratio'], '.2f')} | "
-                     f"{c['verdict']} | {_number(c['predicted_refit'], c['unit'])} |")
+                     f"{c['verdict']} | {figure[2]} |")
     if summary["to_do"]:
         lines += ["", "## What to do", ""] + [f"- {line}" for line in summary["to_do"]]
     lines += ["", "## Nodes", "", "| host | GPU | GPUs | driver | CUDA | NCCL | torch | "
@@ -427,6 +425,13 @@ def markdown(summary: dict) -> str:
     lines += [f"- `{k}`: {_short(a)} -> {_short(b)}" for k, (a, b) in changes.items()] or \
         ["- unchanged: nothing was measured that it fits"]
     return "\n".join(lines) + "\n"
+
+
+def _figure(value, unit: str) -> str:
+    """A value with its unit ("%" is _number's), "-" for none."""
+    text = _number(value, unit)
+    return f"{text} {unit}" if unit and unit != "%" and value is not None and \
+        not isinstance(value, bool) else text
 
 
 def _short(value) -> str:
