@@ -4,7 +4,8 @@
         [section.field=value ...]
 
 Resumes from `<train.save_dir>/latest` when there is one; on SIGUSR1/SIGTERM (SLURM
-preemption, `--signal`) saves a checkpoint and exits with `EXIT_REQUEUE`.
+preemption, `--signal`) saves a checkpoint and exits with `EXIT_REQUEUE`. `--stop-after N`
+ends a trial after step N (the acceptance run's stages, docs/acceptance.md).
 
 This module is the command line only: the loop is `training/loop.py`, `--print-config`
 and `--check` (both at once: the recipe, then its checks) are `training/preflight.py`.
@@ -51,10 +52,16 @@ def main(argv=None) -> int:
     parser.add_argument("--gpus-per-node", type=int,
                         help="--check: GPUs per node (checks the layout, memory per GPU and "
                              "the budget on nodes x GPUs)")
-    parser.add_argument("--hardware", choices=sorted(hardware.PUBLISHED),
-                        help="--check: the GPU to plan for (default: the one nvidia-smi "
-                             "finds here; on a machine without one, required with "
-                             "--gpus-per-node)")
+    parser.add_argument("--hardware",
+                        help=f"--check: the GPU to plan for, {' or '.join(hardware.PUBLISHED)}"
+                             " (the published profile, or its refit in the planner's cache), "
+                             "or a profile file (an acceptance run's refit, <name>.json) "
+                             "(default: the one nvidia-smi finds here; on a machine without "
+                             "one, required with --gpus-per-node)")
+    parser.add_argument("--stop-after", type=int, metavar="N",
+                        help="end after step N without saving or evaluating it: a trial of "
+                             "the recipe's first steps (its schedule, data and the saves due "
+                             "before N as the recipe says)")
     args = parser.parse_args(argv)
     cluster_flags = [flag for flag, value in (("--nodes", args.nodes),
                                               ("--gpus-per-node", args.gpus_per_node),
@@ -63,7 +70,8 @@ def main(argv=None) -> int:
     if cluster_flags and not args.check:
         raise UserError(f"{', '.join(cluster_flags)}: describe the job for --check; add "
                         "--check (training itself takes its size from torchrun)")
-    for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
+    for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node),
+                        ("--stop-after", args.stop_after)):
         if value is not None and value < 1:
             raise UserError(f"{flag}: must be >= 1, got {value}")
     if args.print_config or args.check:
@@ -77,7 +85,7 @@ def main(argv=None) -> int:
     warning_filters.other_ranks_quiet()
     recipe = load_recipe(args.recipe, args.overrides)
     record_stage(args.recipe, recipe)  # where a next stage's init_from finds this run
-    result = run(recipe)
+    result = run(recipe, stop_after=args.stop_after)
     return EXIT_REQUEUE if result["preempted"] else 0
 
 

@@ -108,6 +108,22 @@ def corpus_texts() -> list[str]:
     return texts + UNICODE_DOCS
 
 
+@pytest.fixture(scope="module")
+def cluster():
+    """A real two-node SLURM cluster on this machine (tests/support/slurm_cluster.py), one per
+    test file that asks for it."""
+    from support.slurm_cluster import SlurmCluster, missing_tools
+
+    if os.geteuid() != 0:
+        pytest.fail("the SLURM tests need root (network namespaces); run them through .ci/run "
+                    "or set STEM_SKIP_SLURM_TESTS=1")
+    if missing_tools():
+        pytest.fail(f"missing {', '.join(missing_tools())}: apt-get install -y slurm-wlm munge "
+                    "(.ci/run does), or set STEM_SKIP_SLURM_TESTS=1")
+    with SlurmCluster(nodes=2) as c:
+        yield c
+
+
 @pytest.fixture(scope="session")
 def sp_model(tmp_path_factory) -> str:
     """A 1,000-piece SentencePiece model trained (by our trainer) on the shipped corpus."""
@@ -175,8 +191,9 @@ def facts_models(world1, tmp_path_factory):
 # so a long file left to the end would run alone on one core while the other waits. Files
 # not named run after these, in their usual order.
 SLOWEST_FIRST = [
-    "test_training_instruments.py", "test_slurm.py", "test_shares.py", "test_gpu_script.py",
-    "test_resume.py", "test_quickstart.py", "test_hf.py", "test_analysis.py", "test_training.py",
+    "test_training_instruments.py", "test_slurm.py", "test_slurm_acceptance.py",
+    "test_shares.py", "test_gpu_script.py", "test_resume.py",
+    "test_quickstart.py", "test_hf.py", "test_analysis.py", "test_training.py",
     "test_training_tables.py", "test_output.py", "test_preprocess_identity.py",
     "test_quality_bench.py", "test_guard.py", "test_parallel_parity.py", "test_planner.py",
     "test_preprocess.py", "test_lm_eval.py", "test_editing.py", "test_lazy_imports.py",

@@ -188,8 +188,8 @@ def check_sbatch(args: list[str], env: dict) -> Step:
     """An sbatch script and the STEM_* settings slurm/launch.sh turns into its command."""
     script = args[-1]
     text = (ROOT / script).read_text()
-    assert not set(env) - variables_read("slurm/launch.sh", "slurm/environment.sh"), \
-        f"launch.sh reads no {set(env)}"
+    assert not set(env) - variables_read(script, "slurm/launch.sh", "slurm/job.sh",
+                                         "slurm/environment.sh"), f"{script} reads no {set(env)}"
     recipe = env.get("STEM_RECIPE") or re.search(r"STEM_RECIPE:-([^}]+)\}", text)[1]
     overrides = shlex.split(env.get("STEM_OVERRIDES", ""))
     if "STEM_DATA" in env:
@@ -200,6 +200,8 @@ def check_sbatch(args: list[str], env: dict) -> Step:
     job = next((a.split("=", 1)[1] for a in args if a.startswith("--job-name=")),
                re.search(r"#SBATCH --job-name=(\S+)", text)[1])
     run = f"{env.get('STEM_OUTPUT', 'runs')}/{env.get('STEM_RUN_NAME', job)}"
+    if "slurm/acceptance.sh" in text:  # the acceptance run: its report
+        return Step(reads=step.reads, writes=[f"{run}/summary.json"])
     return Step(reads=step.reads, writes=[env.get("STEM_SAVE_DIR", f"{run}/checkpoints")])
 
 

@@ -1,55 +1,46 @@
 #!/usr/bin/env bash
-# What a user asks first of one H100 or H200, in stages of their own limits (<= 120 s each,
-# 480 s in all: with the machine's start and the install, within 15 minutes); a stage that
-# fails or runs out of time is recorded and the next one runs:
-#   build        DeepSpeed's CPU Adam and the tables' row Adam (tools/build_ops.py --within):
-#                not built in time, the later stages run the tables' torch kernel;
-#   data         a 4,096-piece tokenizer and the shipped corpus (data_corpus/) tokenized;
-#   smoke        the GPU-only paths' correctness (bench/gpu_smoke.py);
-#   train_dense  the real trainer (python -m megatron_stem.train, through
-#   train_stem   bench/gpu/trainer.py) at the 1B layer shapes cut to 4 layers (d 2048,
-#                32/8 heads, d_ff 8192, vocab 128,256, seq 2048), bf16, 30 steps of 16 x 2048
-#                tokens: dense, and STEM with two tables (layers 1 and 3) at the recipe's
-#                table settings but their state on the GPU (on one GPU the CPU Adam would
-#                carry what 32 ranks share); the recipe's 40M-element buckets against the
-#                262.7M-parameter embedding and output layer take DeepSpeed's
-#                oversized-parameter path. Tokens/s, MFU, peak memory, the step's split,
-#                the loss falling;
-#   tables_device STEM tables in GPU memory, then in host memory, 10 steps each (tokens/s;
-#   tables_host  lazy updates, state in CPU memory, no overlap: what host placement runs);
-#   long_context one 32,768-token sequence per step with document masking (micro-batch 1,
-#                the dense model): time and memory;
-#   refit        the planner's profile of the GPU measured (h100 or h200) refit, and the
-#                planner's tables for the 1B pair on 4 x 8 of them.
-# A trainer stage asks for the samples of its steps and a tenth more at most (the trainer
-# is stopped once it has logged them: no checkpoint or evaluation falls due).
-# Writes to $OUT six small files: summary.json (one object per stage: name, status, gpu,
-# seconds, limit_s, figures), summary.txt (the same as a table), run_all.log (every stage's
-# output, the last 256 kB of each), <profile>.json (the refit profile: h100.json or
-# h200.json), plan_today.txt, plan_best.txt. Data, caches, run folders and the stages' own
-# logs go to $WORK (default: a new folder under /tmp). Needs the wheels of
-# bench/gpu/prepare.sh in .whl/ (carried: ".whl"). Runs on the torch it finds.
+# The acceptance run's one-node case (slurm/acceptance.sh's stages, as
+# `sbatch slurm/acceptance.sbatch` runs them on a cluster; docs/acceptance.md) on a lent
+# machine's GPUs without SLURM, within its 15 minutes: the stages' limits add up to 470 s,
+# the 1B recipes' layer shapes cut to 4 layers (d 2048, 32/8 heads, d_ff 8192, vocab
+# 128,256, seq 2048; STEM at layers 1 and 3) in 16 sequences a step, the 32k trial one
+# sequence a step per GPU, on synthetic tokens. A stage that fails or runs out of time is
+# recorded with its fix and the next one runs.
+# Writes to $OUT six small files: summary.json, summary.md, measured_vs_predicted.png, the
+# refit profile (h100.json or h200.json), plan.txt (the 1B pair on 4 x 8 of those GPUs with
+# it) and acceptance.log (every stage's output, the last 256 kB of each). Tokens, caches,
+# runs and the stages' own logs go to $WORK (default: a new folder under /tmp). Needs the
+# wheels of bench/gpu/prepare.sh in .whl/ (carried: ".whl"). Runs on the torch it finds.
 #   bash bench/gpu/run_all.sh                    # on the GPU machine
 #   DRY_RUN=1 bash bench/gpu/run_all.sh          # here: the same stages at toy sizes on CPU
-#   FAIL_STAGE="smoke" ...                       # a stage made to fail (the summary's test)
+#   FAIL_STAGE="smoke" ...                       # a stage made to fail (the report's test)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$(mktemp -d)}"
 WORK="${WORK:-$(mktemp -d /tmp/stem_gpu.XXXXXX)}"
-mkdir -p "$OUT" "$WORK/logs"
-DATA="$WORK/data"
-LOG="$OUT/run_all.log"
-LOG_TAIL_BYTES=262144  # of each stage's output in $LOG
-COMMON=("data.prefixes=[$DATA/gcide_text_document]" "data.tokenizer_model=$DATA/gcide.model"
-        data.tokenizer_type=sentencepiece data.split=99,1,0 optimizer.warmup_steps=5
-        train.global_batch_size=16 model.num_layers=4)
+REPORT=$OUT
+RECIPE=recipes/stem_1b.yaml
+BASELINE=recipes/dense_1b.yaml
+LONG_RECIPE=recipes/stem_1b_long.yaml
+# Seconds per stage: with the machine's start and the wheels' install, within 15 minutes.
+declare -A LIMIT=([environment]=60 [data]=30 [smoke]=60 [collectives]=20 [train_dense]=50
+                  [train_stem]=60 [checkpoint]=60 [long_context]=35 [stop]=35 [refit]=40
+                  [report]=20)
+# On one GPU the tables' optimizer state stays there (in CPU memory one rank would carry
+# what 32 share), and the checkpoint trial saves the dense model (the STEM one's 40 GB would
+# take the stage's minute to write alone).
+KNOBS=(model.num_layers=4 train.global_batch_size=16 optimizer.tables.device=accelerator)
+STEM_KNOBS=("model.stem_layers=[1,3]")
+CHECKPOINT_RECIPE=$BASELINE
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     PY="${PYTHON:-python3}"
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    TINY=(--tiny); SMOKE=(--dry-run); STEPS=6; LONG=512; WORKERS=2
-    SHAPE=(model.hidden_size=64 model.num_attention_heads=4 model.num_query_groups=2
-           model.ffn_hidden_size=128 model.vocab_size=4096 model.seq_length=64
-           train.micro_batch_size=2 train.dtype=fp32)
+    PROCS=1; HARDWARE=h200; SMOKE=(--dry-run); TINY=(--tiny); STEPS=6; LONG_STEPS=2
+    TOKENS=262144
+    KNOBS+=(model.hidden_size=64 model.num_attention_heads=4 model.num_query_groups=2
+            model.ffn_hidden_size=128 model.vocab_size=4096 model.seq_length=64
+            train.micro_batch_size=2 train.dtype=fp32)
+    LONG_KNOBS=(model.seq_length=512 train.micro_batch_size=1 train.global_batch_size=1)
     # The limits are the GPU run's; toy sizes on a CPU that other jobs share (the test
     # suite's other worker) can take longer, and what a dry run checks is the stages.
     LIMIT_SCALE=5
@@ -57,76 +48,28 @@ else
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
     PY=python3
-    TINY=(); SMOKE=(); STEPS=30; LONG=32768; WORKERS=8; SHAPE=(); LIMIT_SCALE=1
+    PROCS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+    (( PROCS > 0 )) || PROCS=1
+    HARDWARE=auto; SMOKE=(); TINY=(); STEPS=20; LONG_STEPS=3; TOKENS=16777216; LIMIT_SCALE=1
+    LONG_KNOBS=("train.global_batch_size=$PROCS")
     export TORCH_EXTENSIONS_DIR=/tmp/torch_extensions  # DeepSpeed's JIT ops
 fi
-# The GPU every stage runs on, and the planner profile it refits (none for another GPU).
-IFS=$'\t' read -r PROFILE GPU < <("$PY" bench/gpu/device.py ${TINY[@]+"${TINY[@]}"})
-start=$SECONDS
-stamp() { echo "[run_all] $(( SECONDS - start )) s: $*" | tee -a "$LOG"; }
-stamp "on ${GPU:-an unknown device}; work folder $WORK"
+NODES=1
+PLAN="--nodes 4 --gpus-per-node 8"
 
-# stage NAME LIMIT COMMAND...: COMMAND under LIMIT seconds (times LIMIT_SCALE), its output in
-# $WORK/logs/NAME.log (its end in $LOG), recorded in the summary; a failure is said and
-# returned, not fatal.
-stage() {
-    local name=$1 limit=$2 began=$SECONDS rc=0 status=ok own="$WORK/logs/$1.log"
-    shift 2
-    stamp "$name (limit $limit s)"
-    if [[ " ${FAIL_STAGE:-} " == *" $name "* ]]; then
-        echo "made to fail (FAIL_STAGE)" > "$own"
-        rc=1
-    else
-        timeout --kill-after=10 $(( limit * LIMIT_SCALE )) "$@" > "$own" 2>&1 || rc=$?
-    fi
-    if (( rc == 124 || rc == 137 )); then
-        status=timeout
-    elif (( rc )); then
-        status="failed (exit $rc)"
-    fi
-    { echo "----- $name: $status"; tail -c "$LOG_TAIL_BYTES" "$own"; } >> "$LOG"
-    "$PY" bench/gpu/summary.py record "$OUT" "$WORK" "$name" "$status" $(( SECONDS - began )) \
-        "$limit" "$GPU"
-    [[ "$status" == ok ]] || { stamp "$name: $status"; tail -n 5 "$own"; }
-    return $rc
+stem_python() { "$PY" "$@"; }
+stem_each_node() { "$PY" "$@"; }
+# torchrun as a SLURM job's node runs it (slurm/torchrun.py), alone on this machine
+stem_ranks() {
+    "$PY" slurm/torchrun.py --standalone --nnodes=1 --nproc-per-node="$PROCS" --max-restarts=0 \
+        --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 "${@:2}" &
+    echo $! >"$WORK/ranks.pid"
+    wait $!
 }
-# train NAME LIMIT STEPS RECIPE OVERRIDES...: a stage of the real trainer (bench/gpu/trainer.py)
-train() {
-    local name=$1 limit=$2 steps=$3 recipe=$4
-    shift 4
-    stage "$name" "$limit" "$PY" bench/gpu/trainer.py --recipe "$recipe" --steps "$steps" \
-        ${LOSS_CHECK:+"$LOSS_CHECK"} --figures "$WORK/$name.json" -- "${COMMON[@]}" \
-        ${SHAPE[@]+"${SHAPE[@]}"} "optimizer.tables.kernel=$KERNEL" \
-        "train.save_dir=$WORK/runs/$name" "$@"
-}
+stem_stop_ranks() { kill -USR1 "$(cat "$WORK/ranks.pid")"; }
+stem_end_steps() { :; }  # a rank ends with its torchrun (megatron_stem/runtime/process_lifetime.py)
 
-KERNEL=deepspeed
-stage build 60 "$PY" tools/build_ops.py --within $(( 50 * LIMIT_SCALE )) || KERNEL=torch
-stage data 25 bash -c "set -e
-    '$PY' tools/train_tokenizer.py --input data_corpus/gcide.jsonl.gz \
-        --output-prefix '$DATA/gcide' --vocab-size 4096
-    '$PY' tools/preprocess_data.py --input data_corpus/gcide.jsonl.gz --json-keys text \
-        --output-prefix '$DATA/gcide' --tokenizer-type sentencepiece \
-        --tokenizer-model '$DATA/gcide.model' --append-eod --workers $WORKERS"
-stage smoke 80 "$PY" bench/gpu_smoke.py ${SMOKE[@]+"${SMOKE[@]}"} --kernel "$KERNEL"
-STEM=("model.stem_layers=[1,3]")
-train train_dense 60 "$STEPS" recipes/dense_1b.yaml
-train train_stem 75 "$STEPS" recipes/stem_1b.yaml "${STEM[@]}" optimizer.tables.device=accelerator
-HOST=("${STEM[@]}" optimizer.tables.update=lazy tables.overlap=none)
-train tables_device 40 10 recipes/stem_1b.yaml "${HOST[@]}"
-train tables_host 45 10 recipes/stem_1b.yaml "${HOST[@]}" tables.placement=host
-LOSS_CHECK=--no-loss-check train long_context 40 3 recipes/dense_1b.yaml data.reset_position_ids=true \
-    data.reset_attention_mask=true data.eod_mask_loss=true "model.seq_length=$LONG" \
-    train.micro_batch_size=1 train.global_batch_size=1
-PROFILE_FILE="$OUT/${PROFILE:-none}.json"
-PAIR="--recipe recipes/stem_1b.yaml --baseline recipes/dense_1b.yaml --nodes 4 --gpus-per-node 8"
-PAIR+=" --hardware ${PROFILE:-none} --profile $PROFILE_FILE"
-stage refit 55 bash -c "set -e
-    [[ -n '$PROFILE' ]] || { echo 'no published planner profile for ${GPU:-this device}'; exit 3; }
-    '$PY' -m megatron_stem.planning.calibrate --gpu '$PROFILE' ${TINY[*]} --kernel $KERNEL \
-        --out '$PROFILE_FILE'
-    '$PY' tools/plan_step.py $PAIR > '$OUT/plan_today.txt'
-    '$PY' tools/plan_step.py $PAIR --choose best > '$OUT/plan_best.txt'"
-
-"$PY" bench/gpu/summary.py table "$OUT"
-stamp "done; results in $OUT"
+mkdir -p "$WORK"
+echo "work folder $WORK"
+# shellcheck source=slurm/acceptance.sh
+source slurm/acceptance.sh

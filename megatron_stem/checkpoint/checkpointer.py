@@ -38,10 +38,12 @@ and one resume, step by step).
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 
 from megatron_stem.checkpoint.background import BackgroundSave
@@ -63,6 +65,7 @@ from megatron_stem.checkpoint.verify import check_same_shape
 from megatron_stem.config import Recipe
 from megatron_stem.runtime.errors import UserError
 from megatron_stem.runtime.host_read import HostRead
+from megatron_stem.runtime.parallel import device
 from megatron_stem.tables.shards import ROW_ORDER, check_row_order
 
 
@@ -74,6 +77,8 @@ class _InFlight(NamedTuple):
     folder: Path
     writer: Writer
     commit: ExitStack  # the Writer's exit (its commit) still to call
+    waited: float  # seconds the step waited for it (the copy to host memory)
+    started: float  # time.monotonic() when the step went on
 
 
 class Checkpointer:
@@ -85,7 +90,13 @@ class Checkpointer:
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
         self.save_dir = Path(recipe.train.save_dir)
-        self.resume_from = agreed_resume_point(self.save_dir, recipe)
+        # What starting from a checkpoint costs this rank: seconds and bytes read
+        # (checking its share of the checksums, loading); `resume` takes every rank's
+        # most (`_read_most`), said on the run's first line.
+        self._read = [0.0, 0.0]
+        self._read_most: list[float] | None = None
+        with self._reading():
+            self.resume_from = agreed_resume_point(self.save_dir, recipe)
         if self.resume_from is not None:
             _check_resumable(self.resume_from)
         init_from = recipe.train.init_from
@@ -108,9 +119,10 @@ class Checkpointer:
         self._written = None  # this step's "every rank has written it", a HostValue
 
     def origin(self) -> str:
-        """Where the run starts, as its first log line says it."""
+        """Where the run starts, as its first log line says it: with a checkpoint, how
+        long reading it took and the most bytes a rank read (`resume`)."""
         if self.resume_from is not None:
-            return f"resuming from {self.resume_from}"
+            return f"resuming from {self.resume_from}{self._read_line()}"
         if self.init_from is None:
             return "from scratch"
         what = "weights and optimizer states" if self.recipe.train.init_optimizer \
@@ -119,7 +131,23 @@ class Checkpointer:
             what = "a dense model's weights: STEM layers' up-projections dropped, fresh tables"
         elif self.recipe.train.init_tables == "reinit" and self.recipe.model.is_stem:
             what += ", fresh tables"
-        return f"initialized from {self.init_from} ({what})"
+        return f"initialized from {self.init_from} ({what}){self._read_line()}"
+
+    def _read_line(self) -> str:
+        if self._read_most is None:  # not read yet
+            return ""
+        seconds, most = self._read_most
+        return f" (read in {seconds:.2f} s, at most {most / 1e9:.2f} GB by a rank)"
+
+    @contextmanager
+    def _reading(self):
+        """Adds the block's seconds and this process's bytes read to `_read`."""
+        began, before = time.monotonic(), _bytes_read()
+        try:
+            yield
+        finally:
+            self._read[0] += time.monotonic() - began
+            self._read[1] += _bytes_read() - before
 
     def load_weights(self, model) -> None:
         """The resume point's weights, or `train.init_from`'s, into `model`: a new run
@@ -127,15 +155,16 @@ class Checkpointer:
         STEM run from a dense checkpoint starts fresh tables (`load_model`). Where the
         optimizer states follow (`resume`), the dense weights come with their fp32 masters
         and are not read here."""
-        if self.resume_from is not None:
-            check_same_shape(read_recipe(self.resume_from), self.recipe, self.resume_from)
-            load_model(model, self.resume_from, dense=False)
-        elif self.init_from is not None:
-            dense = self.dense_source
-            check_same_shape(read_recipe(self.init_from), self.recipe, self.init_from,
-                             dense_source=dense)
-            load_model(model, self.init_from, self.recipe.train.init_tables,
-                       dense_source=dense, dense=not self.recipe.train.init_optimizer)
+        with self._reading():
+            if self.resume_from is not None:
+                check_same_shape(read_recipe(self.resume_from), self.recipe, self.resume_from)
+                load_model(model, self.resume_from, dense=False)
+            elif self.init_from is not None:
+                dense = self.dense_source
+                check_same_shape(read_recipe(self.init_from), self.recipe, self.init_from,
+                                 dense_source=dense)
+                load_model(model, self.init_from, self.recipe.train.init_tables,
+                           dense_source=dense, dense=not self.recipe.train.init_optimizer)
         self._weights_loaded = True
 
     def resume(self, model, engine, tables) -> int:
@@ -146,18 +175,26 @@ class Checkpointer:
             raise RuntimeError("Checkpointer.resume before load_weights: the engine would "
                                "have copied the model's initial weights")
         self._parts = (model, engine, tables)
-        if self.resume_from is not None:
-            state = load_train_state(self.resume_from)
-            check_row_order(state.get("table_row_order"), self.resume_from)
-            load_optimizers(model, engine.optimizer, tables, self.resume_from,
-                            optimizer_steps(state))
-            return state["step"]
-        if self.init_from is not None and self.recipe.train.init_optimizer:
-            source = load_train_state(self.init_from)
-            check_row_order(source.get("table_row_order"), self.init_from)
-            load_optimizers(model, engine.optimizer, tables, self.init_from,
-                            optimizer_steps(source))
-        return 0
+        step = 0
+        with self._reading():
+            if self.resume_from is not None:
+                state = load_train_state(self.resume_from)
+                check_row_order(state.get("table_row_order"), self.resume_from)
+                load_optimizers(model, engine.optimizer, tables, self.resume_from,
+                                optimizer_steps(state))
+                step = state["step"]
+            elif self.init_from is not None and self.recipe.train.init_optimizer:
+                source = load_train_state(self.init_from)
+                check_row_order(source.get("table_row_order"), self.init_from)
+                load_optimizers(model, engine.optimizer, tables, self.init_from,
+                                optimizer_steps(source))
+        if self.resume_from is not None or self.init_from is not None:
+            # the slowest rank's time and the most any rank read (a collective: every
+            # rank starts from the same checkpoint)
+            most = torch.tensor(self._read, dtype=torch.float64, device=device())
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            self._read_most = most.tolist()
+        return step
 
     def keep_before(self, step: int) -> str | None:
         """The divergence guard's pin (training/guard.py): the newest checkpoint before
@@ -204,6 +241,7 @@ class Checkpointer:
         if self._parts is None:
             raise RuntimeError("Checkpointer.save before resume: it has nothing to save")
         self.wait_for_save(f"step {step} | ")
+        began = time.monotonic()
         model, engine, tables = self._parts
         tables.finish()  # an overlapped update: the model's tables complete
         writes = BackgroundSave() if train.async_save else ShardWrites()
@@ -218,12 +256,14 @@ class Checkpointer:
                     "table_row_order": ROW_ORDER, OPTIMIZER_STEPS: tables.step_count}))
             if isinstance(writes, BackgroundSave):  # committed once written everywhere
                 writes.start()
-                self._in_flight = _InFlight(step, writes, folder, writer, stack.pop_all())
+                now = time.monotonic()
+                self._in_flight = _InFlight(step, writes, folder, writer, stack.pop_all(),
+                                            now - began, now)
             else:
                 writes.write()
                 writer.record(writes.finish(folder))
         if not train.async_save:
-            self._saved(step)
+            self._saved(step, f"in {time.monotonic() - began:.2f} s")
         elif force or step == train.steps:
             self.wait_for_save()
         return True
@@ -239,7 +279,7 @@ class Checkpointer:
         self._commit_in_flight()
 
     def _commit_in_flight(self) -> None:
-        step, background, folder, writer, commit = self._in_flight
+        step, background, folder, writer, commit, waited, started = self._in_flight
         self._in_flight = None
         try:
             writer.record(background.finish(folder))
@@ -250,13 +290,25 @@ class Checkpointer:
                             "the last whole checkpoint is still the one `latest` names"
                             ) from None
         commit.close()  # Writer's commit: COMPLETE, then `latest`
-        self._saved(step)
+        self._saved(step, f"the step waited {waited:.2f} s; written in the background, "
+                          f"committed {time.monotonic() - started:.2f} s later")
 
-    def _saved(self, step: int) -> None:
+    def _saved(self, step: int, how: str) -> None:
+        """`how`: what the save cost the run (rank 0's: the time its step waited)."""
         if dist.get_rank() == 0:
             prune(self.save_dir, self.recipe.train.keep_last)
-            print(f"step {step} | saved {self.save_dir / iter_name(step)}",
+            print(f"step {step} | saved {self.save_dir / iter_name(step)} ({how})",
                   flush=True)
+
+
+def _bytes_read() -> float:
+    """Bytes this process has read so far (read calls, cached or not: /proc's rchar; 0
+    where /proc has none)."""
+    try:
+        with open("/proc/self/io") as f:
+            return float(next(line.split()[1] for line in f if line.startswith("rchar:")))
+    except (OSError, StopIteration):
+        return 0.0
 
 
 def _has_optimizer(ckpt: Path) -> bool:

@@ -38,8 +38,16 @@ import torch
 
 from megatron_stem.config import ModelConfig
 from megatron_stem.model.accounting import training_flops_per_token
-from megatron_stem.planning.hardware import CACHE_DIR, PROFILE_VERSION, PUBLISHED, Hardware, save
+from megatron_stem.planning.hardware import (
+    CACHE_DIR,
+    PROFILE_VERSION,
+    PUBLISHED,
+    Hardware,
+    load_detected,
+    save,
+)
 from megatron_stem.planning.microbench import best, copy_rates, flat_adam_rate, row_adam_rate
+from megatron_stem.runtime.errors import cli
 
 # The calibration shape: 32k vocabulary (the shipped corpus through a 32k BPE model), four
 # STEM layers of eight, sized so DP4 with replicated tables fits in this shared machine's
@@ -354,21 +362,25 @@ def gemm_curve(model: dict, micro_batch: int, peak_flops: float) -> tuple:
     return tuple(sorted(points))
 
 
-def main() -> None:
+@cli
+def main() -> int:
     ap = argparse.ArgumentParser(description="Measure a hardware profile on this machine")
-    ap.add_argument("--gpu", choices=["h100", "h200"], help="refit this GPU profile")
+    ap.add_argument("--gpu", choices=["h100", "h200", "auto"],
+                    help="refit this GPU profile (auto: this machine's GPU's)")
     ap.add_argument("--tiny", action="store_true", help="toy sizes (a dry run)")
     ap.add_argument("--kernel", default="deepspeed", choices=["deepspeed", "torch"],
                     help="the CPU Adam the tables will run (torch: DeepSpeed's cannot build)")
     ap.add_argument("--out", help="where to write the profile (default: the planner's cache)")
     args = ap.parse_args()
     if args.gpu:
-        hw = measure_gpu(args.gpu, args.tiny, args.kernel)
+        name = load_detected(args.gpu).name if args.gpu == "auto" else args.gpu
+        hw = measure_gpu(name, args.tiny, args.kernel)
         save(hw, Path(args.out) if args.out else CACHE_DIR / f"{hw.name}.json")
     else:
         hw = measure_and_save(Path(args.out) if args.out else None)
     print(hw.to_json())
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

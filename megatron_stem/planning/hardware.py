@@ -314,6 +314,17 @@ def detect(query=None) -> tuple[str | None, str]:
     return profiles.pop(), said
 
 
+def load_detected(name: str) -> Hardware:
+    """`load`, where "auto" is the profile of this machine's GPU (`detect`)."""
+    if name != "auto":
+        return load(name)
+    found, said = detect()
+    if found is None:
+        raise UserError(f"--hardware auto: {said}: name the GPUs' profile "
+                        f"({', '.join(PUBLISHED)})")
+    return load(found)
+
+
 def _nvidia_smi() -> list[str]:
     return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                           capture_output=True, text=True, timeout=30,
@@ -321,14 +332,19 @@ def _nvidia_smi() -> list[str]:
 
 
 def load(name: str, cache_dir: Path = CACHE_DIR) -> Hardware:
-    """A profile by name. `cpu`: this machine's measured constants, from the cache that
-    `python -m megatron_stem.planning.calibrate` writes (never measured here: a missing or
-    outdated profile is a UserError saying how to make it). A GPU profile refit on a real
-    GPU (`<name>.json` in the cache folder, written by bench/gpu/run_all.sh) takes
-    precedence over the published numbers."""
+    """A profile by name, or from a profile file (a name ending in .json: the refit an
+    acceptance run writes, docs/acceptance.md). `cpu`: this machine's measured constants,
+    from the cache that `python -m megatron_stem.planning.calibrate` writes (never measured
+    here: a missing or outdated profile is a UserError saying how to make it). A GPU
+    profile refit on a real GPU (`<name>.json` in the cache folder) takes precedence over
+    the published numbers."""
+    if name.endswith(".json"):
+        if not Path(name).is_file():
+            raise UserError(f"--hardware: {name}: no such profile file")
+        return read(Path(name))
     if name not in NAMES:
         raise UserError(f"--hardware: unknown profile {name!r} (choose from "
-                        f"{', '.join(NAMES)})")
+                        f"{', '.join(NAMES)}, or a profile file <name>.json)")
     path = cache_dir / f"{name}.json"
     if name == "cpu":
         if not path.is_file():

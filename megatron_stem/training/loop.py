@@ -144,12 +144,14 @@ def _data(recipe: Recipe, tokenizer) -> tuple[Prefetcher, dict[str | None, list[
     return Prefetcher(batches, train.steps), valid
 
 
-def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
+def run(recipe: Recipe, tokenizer=None, on_step=None, stop_after: int | None = None) -> dict:
     """Train per `recipe`; returns {"losses": [per step run here], "valid": [the split's
     validation losses, else the first named set's], "valid_sets": {name: [...]},
     "downstream": [{"step": s, "scores": {task: {metric: value}}}] (rank 0), "step": last
     step, "preempted": bool}. `on_step(step)` is called after every step (for tools and
-    tests: fault injection)."""
+    tests: fault injection). `stop_after`: end after that step, before `train.steps`,
+    without the last step's save and evaluation (a trial of the recipe's first steps: its
+    schedule, data and saves as the recipe says; a save in flight is committed)."""
     train, opt = recipe.train, recipe.optimizer
     stop_signal = StopSignal()  # first (a rank started as the trainer caught it at its start)
     check_gpus_visible()
@@ -188,13 +190,14 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
         result = {"losses": [], "valid": [], "valid_sets": {name: [] for name in valid
                                                             if name is not None},
                   "downstream": [], "step": step, "preempted": False}
-        upcoming = batches.microbatches(step) if step < train.steps else None
-        while step < train.steps:
+        last = min(train.steps, stop_after or train.steps)
+        upcoming = batches.microbatches(step) if step < last else None
+        while step < last:
             profiler.before(step + 1)
             lr = lr_at(step, opt, train.steps)
             current = upcoming
             # The next step's batch, now: an overlapped table update puts its rows first.
-            upcoming = batches.microbatches(step + 1) if step + 1 < train.steps else None
+            upcoming = batches.microbatches(step + 1) if step + 1 < last else None
             # The step's values for the host, read at once inside its update
             # (runtime/host_read.py): every rank's stop flag and, while a save is written
             # in the background, whether every rank has written it, then the loss and the
@@ -228,6 +231,7 @@ def run(recipe: Recipe, tokenizer=None, on_step=None) -> dict:
                                       f"for requeue")
                 stop_signal.report()
                 break
+        checkpointer.wait_for_save()  # a trial's end (`stop_after`): its save in flight
         result["step"] = step
         profiler.close()  # a stop inside the window: what it traced
         metrics.close()

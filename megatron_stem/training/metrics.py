@@ -32,6 +32,14 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2 ** 30
 
 
+def memory_gb() -> float:
+    """The accelerator's allocated memory now; on CPU this process's resident set."""
+    if torch.cuda.is_available():
+        return torch.cuda.memory_allocated() / 2 ** 30
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2 ** 30
+
+
 class Metrics:
     def __init__(self, recipe: Recipe, first_step: int):
         self.recipe = recipe
@@ -78,10 +86,13 @@ class Metrics:
             self._t0 += time.perf_counter() - start
 
     def start(self, origin: str) -> None:
-        """The run's first line: the model's size, the layout, where it starts from."""
+        """The run's first line: the model's size, the layout, where it starts from, and
+        the memory its state holds before the first step (weights, optimizer states,
+        tables: what the step's peak adds to is its gradients and activations)."""
         self.log(0, {}, f"model: {account(self.recipe.model).summary()} | world "
                         f"{dist.get_world_size()} = TP {self.recipe.parallel.tensor_parallel}"
-                        f" x DP {ps.get_data_parallel_world_size()} | {origin}")
+                        f" x DP {ps.get_data_parallel_world_size()} | {origin} | memory "
+                        f"{memory_gb():.2f} GB before the first step")
 
     def step(self, step: int, loss: float, lr: float, norms, tables) -> None:
         """After every training step (on every rank: the tables' figures are taken on all

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from support.processes import ROOT, subprocess_env, tensorboard_steps
-from support.slurm_cluster import SlurmCluster, _netns_pids, missing_tools
+from support.slurm_cluster import ENDED, _netns_pids
 
 pytestmark = pytest.mark.integration  # a real two-node SLURM cluster
 
@@ -32,19 +32,6 @@ if os.environ.get("STEM_SKIP_SLURM_TESTS") == "1":
 # Steps of the preempted job: the stop must land mid-run (~0.25 s/step on 2 idle cores;
 # the stop takes about a second to reach the ranks).
 STEPS = 40
-ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")  # job states that are final
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    if os.geteuid() != 0:
-        pytest.fail("the SLURM tests need root (network namespaces); run them through .ci/run "
-                    "or set STEM_SKIP_SLURM_TESTS=1")
-    if missing_tools():
-        pytest.fail(f"missing {', '.join(missing_tools())}: apt-get install -y slurm-wlm munge "
-                    "(.ci/run does), or set STEM_SKIP_SLURM_TESTS=1")
-    with SlurmCluster(nodes=2) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

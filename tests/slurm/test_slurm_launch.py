@@ -312,7 +312,8 @@ def test_rank_0_stopped_right_after_saying_the_mistake_is_not_said_again(tmp_pat
 
 
 def test_arrays_that_can_be_empty_expand_safely_under_bash_4_2():
-    text = LAUNCH.read_text()
+    text = "".join((ROOT / "slurm" / name).read_text()
+                   for name in ("launch.sh", "job.sh", "acceptance.sh"))
     maybe_empty = set(re.findall(r"read -r -a (\w+)", text))
     assert maybe_empty >= {"_stem_prefixes", "_stem_overrides"}
     for name in maybe_empty:

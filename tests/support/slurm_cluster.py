@@ -36,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")  # job states that are final
 PREFIX = "stemslurm"  # netns names: stemslurm<pid>-<host>; bridge/veths: ssl<pid>...
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scontrol", "scancel", "sinfo")
