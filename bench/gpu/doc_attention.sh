@@ -5,7 +5,7 @@
 # flash-attention varlen kernel = what the trainer runs, compiled FlexAttention with a
 # document BlockMask, SDPA with a dense mask), for one document, long documents and short
 # ones, after checking every kernel's output and gradients against the dense mask on the
-# GPU. Needs the wheels of bench/gpu/prepare.sh in .whl/ (carried: ".whl").
+# GPU. Needs the wheels of bench/gpu/prepare.sh in .whl/ (copied with the checkout).
 #   bash bench/gpu/doc_attention.sh 2>&1 | tee doc_attention.log
 set -euo pipefail
 cd "$(dirname "$0")/../.."

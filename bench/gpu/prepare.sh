@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Build here (with network) the wheels bench/gpu/run_all.sh installs on the lent GPU
-# machine, which has Python 3.12 and CUDA torch but no network and, of our dependencies,
-# no deepspeed, megatron-core, pydantic, hjson (its image has numpy, pyyaml, sentencepiece,
-# einops, msgpack, psutil, py-cpuinfo, ninja, tqdm, packaging: see the device KINDS.md).
-# Writes .whl/ (git-ignored; carried to the machine with `carry: [".whl"]`), < 64 MiB.
+# Build here (with network) the wheels bench/gpu/run_all.sh installs on an offline GPU
+# machine that has Python 3.12 and CUDA torch but, of our dependencies, no deepspeed,
+# megatron-core, pydantic, hjson (it is assumed to have numpy, pyyaml, sentencepiece,
+# einops, msgpack, psutil, py-cpuinfo, ninja, tqdm, packaging).
+# Writes .whl/ (git-ignored; copy it to the machine with the checkout), < 64 MiB.
 # Runs from any checkout, with the pip of the Python on the PATH (PIP: another, e.g. a
 # virtualenv's "python -m pip"; deepspeed's wheel builds faster where torch imports).
 #   bash bench/gpu/prepare.sh

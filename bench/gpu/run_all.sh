@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The acceptance run's one-node case (slurm/acceptance.sh's stages, as
-# `sbatch slurm/acceptance.sbatch` runs them on a cluster; docs/acceptance.md) on a lent
-# machine's GPUs without SLURM, within its 15 minutes: the stages' limits add up to 470 s,
+# `sbatch slurm/acceptance.sbatch` runs them on a cluster; docs/acceptance.md) on one
+# machine's GPUs without SLURM, within 15 minutes: the stages' limits add up to 470 s,
 # the 1B recipes' layer shapes cut to 4 layers (d 2048, 32/8 heads, d_ff 8192, vocab
 # 128,256, seq 2048; STEM at layers 1 and 3) in 16 sequences a step, the 32k trial one
 # sequence a step per GPU, on synthetic tokens. A stage that fails or runs out of time is
@@ -10,7 +10,7 @@
 # refit profile (h100.json or h200.json), plan.txt (the 1B pair on 4 x 8 of those GPUs with
 # it) and acceptance.log (every stage's output, the last 256 kB of each). Tokens, caches,
 # runs and the stages' own logs go to $WORK (default: a new folder under /tmp). Needs the
-# wheels of bench/gpu/prepare.sh in .whl/ (carried: ".whl"). Runs on the torch it finds.
+# wheels of bench/gpu/prepare.sh in .whl/ (copied with the checkout). Runs on the torch it finds.
 #   bash bench/gpu/run_all.sh                    # on the GPU machine
 #   DRY_RUN=1 bash bench/gpu/run_all.sh          # here: the same stages at toy sizes on CPU
 #   FAIL_STAGE="smoke" ...                       # a stage made to fail (the report's test)

@@ -18,7 +18,7 @@ FLOP/s of the calibration model, and gloo's all-reduce, all-to-all and all-gathe
 rank per core (CPU time per byte moved) with the CPU time of a one-element all-reduce.
 
 GPU (`--gpu`): the single-GPU constants of a published profile refit on this machine's GPU
-(`measure_gpu`), what bench/gpu/run_all.sh runs on a lent H200.
+(`measure_gpu`), what bench/gpu/run_all.sh runs on an H100 or H200.
 """
 
 from __future__ import annotations

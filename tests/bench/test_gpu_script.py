@@ -1,5 +1,5 @@
 """The prepared GPU run (bench/gpu/run_all.sh: the acceptance run's one-node case) at toy
-sizes on a CPU: every stage it runs on a lent H100 or H200 runs here too, so the first GPU
+sizes on a CPU: every stage it runs on an H100 or H200 runs here too, so the first GPU
 session spends its minutes measuring, and what it leaves in $OUT comes back from the lent
 machine. The multi-node case is tests/slurm/test_slurm_acceptance.py."""
 

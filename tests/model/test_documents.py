@@ -144,7 +144,7 @@ def _reference_varlen_before_2_13(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=F
 def test_varlen_path_packs_megatron_layout_like_the_dense_path(monkeypatch, batch, kernel):
     """The GPU path's layout and boundaries, with the kernel replaced by its documented
     semantics (the kernel itself runs only on CUDA), in the signature of this torch
-    release and of earlier ones (the lent GPU machine's torch is not the project's)."""
+    release and of earlier ones (a GPU machine's torch may not be the project's)."""
     g = torch.Generator().manual_seed(1)
     s, heads, groups, dim = 40, 4, 2, 8
     tokens = torch.randint(0, EOD, (batch, s), generator=g)
