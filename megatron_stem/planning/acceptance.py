@@ -124,7 +124,8 @@ class Check:
     measured: float | bool | None
     predicted: float | None = None
     higher_is_better: bool = False
-    step_ms: float | None = None  # a part of this step: judged only when not small
+    whole: float | None = None  # what it is a part of (the step's ms, the peak's GB), in
+    # its unit: a part under SMALL of it is not judged
     verdict: str = ""
     fix: str = ""
     predicted_refit: float | None = None
@@ -142,7 +143,7 @@ class Check:
             self.verdict = FAILED
         elif not self.predicted:
             self.verdict = UNPREDICTED
-        elif self.step_ms and max(self.measured, self.predicted) < SMALL * self.step_ms:
+        elif self.whole and max(self.measured, self.predicted) < SMALL * self.whole:
             self.verdict = SMALL_PART
         else:
             r = self.ratio if not self.higher_is_better else 1 / self.ratio
@@ -161,18 +162,22 @@ class Check:
 
 def trial_predictions(recipe, cluster: Cluster, hw: Hardware) -> dict:
     """What the planner predicts a trial of `recipe` logs: the step and its parts (ms),
-    tokens/s, MFU, and the memory before the first step and at the step's peak (GB)."""
+    tokens/s, MFU, and the memory once the model is built (its weights, the tables on the
+    device), before the first step (with the optimizer's states) and at the step's peak
+    (GB)."""
     w = workload(recipe, cluster)
     option = configured_option(recipe) if recipe.model.is_stem else None
     p = plan(w, option, cluster, hw, NODE_HOST_MEMORY)
     mem = memory.memory_per_gpu(recipe, cluster, hw)
     tokens = recipe.train.global_batch_size * recipe.model.seq_length
     state = sum(mem.total(kind) for kind in ("parameters", "optimizer", "tables"))
+    model = mem.total("parameters") + sum(p.bytes for p in mem.parts
+                                          if p.name == memory.TABLE_WEIGHTS)
     return {"step_ms": p.step_s * 1e3, "tokens_per_s": tokens / p.step_s, "mfu": p.mfu,
             "forward_backward_ms": p.seconds("compute") * 1e3,
             "backbone_ms": (p.exposed_reduction_s + p.seconds("backbone")) * 1e3,
             "tables_exposed_ms": p.exposed_tables_s * 1e3,
-            "state_gb": state / 1e9, "peak_gb": mem.total() / 1e9}
+            "model_gb": model / 1e9, "state_gb": state / 1e9, "peak_gb": mem.total() / 1e9}
 
 
 def _recipe(figures: dict):
@@ -229,16 +234,23 @@ def trial_checks(stage: str, figures: dict, cluster: Cluster, hw: Hardware) -> l
            Check(stage, "MFU", "compute", "%", _percent(figures.get("mfu")),
                  _percent(p["mfu"]), higher_is_better=True),
            Check(stage, "forward/backward", "compute", "ms", split.get("forward_backward"),
-                 p["forward_backward_ms"], step_ms=step),
+                 p["forward_backward_ms"], whole=step),
            Check(stage, "backbone reduction and step", "backbone", "ms",
-                 split.get("backbone_step"), p["backbone_ms"], step_ms=step)]
+                 split.get("backbone_step"), p["backbone_ms"], whole=step)]
     if figures.get("tables"):
         out.append(Check(stage, "tables on the step's path (exposed)", "tables", "ms",
-                         split.get("tables_exposed"), p["tables_exposed_ms"], step_ms=step))
-    out += [Check(stage, "memory before the first step", "memory", "GB",
-                  _gb(figures.get("state_memory_gb")), p["state_gb"]),
-            Check(stage, "peak memory", "memory", "GB", _gb(figures.get("peak_memory_gb")),
-                  p["peak_gb"])]
+                         split.get("tables_exposed"), p["tables_exposed_ms"], whole=step))
+    # the peak's parts, as they come: the model built, the optimizer's states added before
+    # the first step, the gradients and activations the step adds
+    model, state, peak = (_gb(figures.get(f"{part}_memory_gb"))
+                          for part in ("model", "state", "peak"))
+    parts = (("memory: weights and device tables", model, p["model_gb"]),
+             ("memory: optimizer states", _minus(state, model), p["state_gb"] - p["model_gb"]),
+             ("memory: the step's gradients and activations", _minus(peak, state),
+              p["peak_gb"] - p["state_gb"]))
+    out += [Check(stage, name, "memory", "GB", measured, predicted, whole=p["peak_gb"])
+            for name, measured, predicted in parts]
+    out.append(Check(stage, "peak memory", "memory", "GB", peak, p["peak_gb"]))
     if stage != "long_context":
         out.append(Check(stage, "loss falls", "loss", "", bool(figures.get("loss_falls"))))
     return out
@@ -470,6 +482,10 @@ def plot(checks: list[Check], verdict: str, path: Path) -> None:
 
 def _gb(gib: float | None) -> float | None:
     return None if gib is None else gib * GIB / 1e9
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
 
 
 def _percent(value: float | None) -> float | None:

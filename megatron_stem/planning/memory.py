@@ -64,6 +64,7 @@ ACTIVATION_BYTES_SPLIT_BY_TP = 24
 # A layer's input, kept for its recompute (`parallel.recompute: full`), in 16-bit.
 LAYER_INPUT_BYTES_PER_TOKEN_HIDDEN = 2
 KINDS = ("parameters", "gradients", "optimizer", "tables", "activations")
+TABLE_WEIGHTS = "tables"  # the name of the part of the tables' weights on the device
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ def _table_parts(recipe: Recipe, layout: Layout, microbatches: int, tokens: int,
     what = f"{count} x {shape.rows:,} x {shape.width:,}"
     out = []
     if storage.placement == "device":
-        out.append(Part("tables", "tables", traffic.rows_bytes(shape.rows, shape, dtype),
+        out.append(Part("tables", TABLE_WEIGHTS, traffic.rows_bytes(shape.rows, shape, dtype),
                         f"{what} x {dtype} B"))
     else:
         staged = rows.microbatch_rows / microbatches

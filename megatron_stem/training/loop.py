@@ -53,7 +53,7 @@ from megatron_stem.training.checks import (
 from megatron_stem.training.engine import build_engine
 from megatron_stem.training.guard import Diverged, Guard
 from megatron_stem.training.lr import lr_at
-from megatron_stem.training.metrics import Metrics
+from megatron_stem.training.metrics import Metrics, memory_gb
 from megatron_stem.training.profiling import UNTIMED, ProfilerWindow, check_ranks
 from megatron_stem.training.stop import StopSignal
 from megatron_stem.training.update import Outcome, Update
@@ -177,12 +177,13 @@ def run(recipe: Recipe, tokenizer=None, on_step=None, stop_after: int | None = N
         checkpointer = Checkpointer(recipe)  # where the run starts; says any fallback
         model = build_model(recipe.model, recipe.parallel, seed=train.seed,
                             tables=recipe.tables)
+        model_memory = memory_gb()  # its weights (and tables on the device): the first line's
         checkpointer.load_weights(model)  # before the engine copies them
         engine, tables, update = build_engine(model, recipe)
         step = checkpointer.resume(model, engine, tables)  # and saves these from now on
 
         metrics = Metrics(recipe, first_step=step + 1)
-        metrics.start(checkpointer.origin())
+        metrics.start(checkpointer.origin(), model_memory)
         guard = Guard(recipe.guard, checkpointer.keep_before, checkpointer.rewind,
                       lambda at, line: metrics.log(at, {}, line))
         profiler = ProfilerWindow(recipe.profile, dist.get_rank(), train.save_dir)

@@ -85,14 +85,17 @@ class Metrics:
         finally:
             self._t0 += time.perf_counter() - start
 
-    def start(self, origin: str) -> None:
+    def start(self, origin: str, model_gb: float) -> None:
         """The run's first line: the model's size, the layout, where it starts from, and
-        the memory its state holds before the first step (weights, optimizer states,
-        tables: what the step's peak adds to is its gradients and activations)."""
+        the memory its parts hold: `model_gb` once the model was built (its weights, and
+        the tables where they are on the device), then its state before the first step
+        (with the optimizer's states): what the step's peak adds to is its gradients and
+        activations."""
         self.log(0, {}, f"model: {account(self.recipe.model).summary()} | world "
                         f"{dist.get_world_size()} = TP {self.recipe.parallel.tensor_parallel}"
                         f" x DP {ps.get_data_parallel_world_size()} | {origin} | memory "
-                        f"{memory_gb():.2f} GB before the first step")
+                        f"{model_gb:.2f} GB for the model, {memory_gb():.2f} GB before the "
+                        "first step")
 
     def step(self, step: int, loss: float, lr: float, norms, tables) -> None:
         """After every training step (on every rank: the tables' figures are taken on all

@@ -16,10 +16,10 @@ rank 0 printed:
 
 * `figures`: tokens/s, the step's split (forward/backward, backbone step, tables, exposed
   tables), MFU (the trainer's, as the field counts it; computed the same way on a CPU, where
-  the trainer logs none), the memory before the first step and the step's peak, each the
-  median over the second half of the steps (the first ones include warm-up); the loss at
-  the first and last steps. Fails (exit 1) when the trainer stopped short or the loss did
-  not fall.
+  the trainer logs none), each the median over the second half of the steps (the first
+  ones include warm-up); the memory once the model was built, before the first step and
+  at the step's peak (the most over that half); the loss at the first and last steps.
+  Fails (exit 1) when the trainer stopped short or the loss did not fall.
 * `checkpoint`: a run that saved at step K in the background and went on (A) against one
   resumed from that save (B): the step after K has the same loss in both (bit for bit: the
   resumed state is the saved one), with the time A's step waited for the save, how long it
@@ -47,8 +47,8 @@ STEP = re.compile(
     rf"backbone {NUMBER}, tables {NUMBER}, exposed tables {NUMBER}\) \| {NUMBER} tok/s"
     rf" \([^)]*\)(?: \| MFU {NUMBER}%)?.*\| peak mem {NUMBER} GB", re.M)
 # metrics.py's first line, with checkpointer.py's origin
-START = re.compile(rf"^model: .* \| world (\d+) = .* \| (.*) \| memory {NUMBER} GB before "
-                   r"the first step$", re.M)
+START = re.compile(rf"^model: .* \| world (\d+) = .* \| (.*) \| memory {NUMBER} GB for the "
+                   rf"model, {NUMBER} GB before the first step$", re.M)
 READ = re.compile(rf"\(read in {NUMBER} s, at most {NUMBER} GB by a rank\)")
 # checkpointer.py's line of a save committed
 SAVED = re.compile(rf"^step (\d+) \| saved (\S+) \((?:the step waited {NUMBER} s; written in "
@@ -74,12 +74,14 @@ def steps_of(log: str) -> list[dict]:
 
 
 def start_of(log: str) -> dict:
-    """The first line's world size, origin, memory before the first step and, when it
-    started from a checkpoint, how long reading it took and the most a rank read."""
+    """The first line's world size, origin, memory once the model was built and before
+    the first step and, when it started from a checkpoint, how long reading it took and
+    the most a rank read."""
     m = START.search(log)
     if m is None:
         return {}
-    out = {"world": int(m[1]), "origin": m[2], "state_memory_gb": _number(m[3])}
+    out = {"world": int(m[1]), "origin": m[2], "model_memory_gb": _number(m[3]),
+           "state_memory_gb": _number(m[4])}
     read = READ.search(m[2])
     if read:
         out.update(read_s=_number(read[1]), read_gb_per_rank=_number(read[2]))

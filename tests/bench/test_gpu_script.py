@@ -15,10 +15,10 @@ from support.processes import ROOT, subprocess_env
 
 STAGES = ["environment", "data", "smoke", "collectives", "train_dense", "train_stem",
           "checkpoint", "long_context", "stop", "refit"]
-TRAINER = ("tokens_per_s", "mfu", "peak_memory_gb", "state_memory_gb", "step_ms", "split_ms",
-           "loss_first", "loss_last")
-# What comes back from the lent machine's $OUT (the device's README): at most 8 files,
-# each at most 16 MiB, 64 MiB in all.
+TRAINER = ("tokens_per_s", "mfu", "peak_memory_gb", "state_memory_gb", "model_memory_gb",
+           "step_ms", "split_ms", "loss_first", "loss_last")
+# What a GPU machine that hands back only a few small files returns of $OUT: at most 8
+# files, each at most 16 MiB, 64 MiB in all.
 OUT_FILES, FILE_BYTES, ALL_BYTES = 8, 16 << 20, 64 << 20
 
 

@@ -32,9 +32,9 @@ def test_a_figure_is_judged_by_its_ratio_to_the_prediction(measured, predicted, 
 
 
 def test_a_small_part_of_the_step_is_not_judged():
-    small = Check("s", "n", "tables", "ms", 30.0, 10.0, step_ms=1000.0).judge()
+    small = Check("s", "n", "tables", "ms", 30.0, 10.0, whole=1000.0).judge()
     assert small.verdict == "not judged (small)" and not small.failed
-    big = Check("s", "n", "tables", "ms", 80.0, 10.0, step_ms=1000.0).judge()
+    big = Check("s", "n", "tables", "ms", 80.0, 10.0, whole=1000.0).judge()
     assert big.verdict == "worse than predicted" and big.fix == acceptance.FIXES["tables"]
 
 
@@ -48,6 +48,30 @@ def test_a_trial_s_prediction_is_the_planner_s():
         assert p["forward_backward_ms"] + p["backbone_ms"] + p["tables_exposed_ms"] == \
             pytest.approx(p["step_ms"])
         assert 0 < p["state_gb"] < p["peak_gb"] < H200.memory_bytes / 1e9
+
+
+def test_a_trials_memory_is_judged_part_by_part():
+    """The model built, the optimizer's states, the step's gradients and activations: the
+    part that grew is the one that fails, its fix the memory's; the others as predicted.
+    The 1B STEM recipe's tables are on the device: their weights are part of the model's."""
+    p = acceptance.trial_predictions(load_recipe("recipes/stem_1b.yaml"), Cluster(2, 8), H200)
+    assert 0 < p["model_gb"] < p["state_gb"] < p["peak_gb"]
+    dense = acceptance.trial_predictions(load_recipe("recipes/dense_1b.yaml"), Cluster(2, 8),
+                                         H200)
+    assert p["model_gb"] > dense["model_gb"] + 10  # 5 tables of 128k x 8k in bf16
+    gib = {part: p[f"{part}_gb"] * 1e9 / 2 ** 30 for part in ("model", "state", "peak")}
+    gib["peak"] += 0.5 * (gib["peak"] - gib["state"])  # the step's own memory 1.5 x
+    figures = {"recipe": "recipes/stem_1b.yaml", "overrides": [],
+               "tables": "x", "loss_falls": True,
+               **{f"{part}_memory_gb": v for part, v in gib.items()}}
+    checks = {c.name: c.judge() for c in acceptance.trial_checks("train_stem", figures,
+                                                                   Cluster(2, 8), H200)}
+    assert checks["memory: weights and device tables"].verdict == "as predicted"
+    # 1 GB of the 40 (ZeRO-1 over 16 ranks; the tables' states are in host memory)
+    assert checks["memory: optimizer states"].verdict == "not judged (small)"
+    grown = checks["memory: the step's gradients and activations"]
+    assert grown.verdict == "worse than predicted" and grown.fix == acceptance.FIXES["memory"]
+    assert grown.ratio == pytest.approx(1.5)
 
 
 def test_the_refit_predicts_the_forward_backward_it_was_fitted_to():
@@ -114,8 +138,8 @@ def _as_predicted(recipe: str, overrides: list[str], stem: bool) -> dict:
             "split_ms": {"forward_backward": p["forward_backward_ms"],
                          "backbone_step": p["backbone_ms"],
                          "tables_exposed": p["tables_exposed_ms"]},
-            "state_memory_gb": p["state_gb"] * 1e9 / 2 ** 30,
-            "peak_memory_gb": p["peak_gb"] * 1e9 / 2 ** 30, "tables": "x" if stem else None}
+            **{f"{part}_memory_gb": p[f"{part}_gb"] * 1e9 / 2 ** 30
+               for part in ("model", "state", "peak")}, "tables": "x" if stem else None}
 
 
 def test_a_run_as_predicted_passes_and_a_failed_stage_fails_it_with_its_fix(tmp_path):

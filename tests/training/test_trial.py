@@ -14,8 +14,8 @@ CPU_STEP = ("step {step}/8 | loss {loss} | lr 3.00e-03 | grad 1.638 (backbone 1.
             "0.010) | rows 322 | step {ms} ms (fwd/bwd 80.0, backbone 5.0, tables 1.0, exposed "
             "tables 2.0) | {tok} tok/s (1,024/rank) | peak mem {mem} GB")
 START = ("model: total 4.98M, active 1.74M, tables 3.15M, 3.48M FLOPs/token (paper), 8.07M "
-         "training FLOPs/token (MFU) | world 2 = TP 1 x DP 2 | {origin} | memory 0.52 GB "
-         "before the first step")
+         "training FLOPs/token (MFU) | world 2 = TP 1 x DP 2 | {origin} | memory 0.31 GB "
+         "for the model, 0.52 GB before the first step")
 
 
 def _log(template, losses, ms=100.0, tok=1000, mem=1.0, origin="from scratch"):
@@ -41,7 +41,7 @@ def test_figures_are_the_second_half_s_medians_and_mfu_is_counted_on_a_cpu():
     assert f["reached"] and f["steps"] == 6 and f["loss_falls"]
     assert f["step_ms"] == 100.0  # the first step's 300 ms (warm-up) is not in the median
     assert (f["loss_first"], f["loss_last"]) == (8.0, 5.5)
-    assert f["world"] == 2 and f["state_memory_gb"] == 0.52
+    assert f["world"] == 2 and f["model_memory_gb"] == 0.31 and f["state_memory_gb"] == 0.52
     from megatron_stem.model.accounting import mfu
     assert f["mfu"] == pytest.approx(mfu(2000, recipe.model, recipe.train.peak_flops, 2))
     assert f["asked_steps"] == 7 and f["asked_samples"] == 7 * recipe.train.global_batch_size
