@@ -46,6 +46,7 @@ from megatron_stem.data import blend
 from megatron_stem.data.indexed import IndexHeader, idx_path, read_header, tokens_between
 from megatron_stem.data.prefix_sets import DEFAULT_MAX_TOKENS, Prefix
 from megatron_stem.runtime import file_locks
+from megatron_stem.runtime.durable import fsync_path
 from megatron_stem.runtime.errors import UserError
 
 SPLITS = list(Split)  # train, valid, test
@@ -375,24 +376,16 @@ class _Workspace:
         """Move the files of `stem` into the cache, durable, then mark them ready."""
         names = [n for n in os.listdir(self.path) if n.startswith(stem + "-")]
         for name in names:
-            _fsync(os.path.join(self.path, name))
+            fsync_path(os.path.join(self.path, name))
         for name in names:
             os.replace(os.path.join(self.path, name), os.path.join(self.cache, name))
-        _fsync(self.cache)
+        fsync_path(self.cache)
         fd = os.open(os.path.join(self.cache, stem + "-ready"), os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-        _fsync(self.cache)
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_path(self.cache)
 
 
 def _remove_abandoned_workspaces(cache: str) -> None:
