@@ -9,9 +9,9 @@ acceptance run's trainer stages, docs/acceptance.md).
         --nodes N --out F.json
 
 The trainer runs unmodified (`python -m megatron_stem.train ... --stop-after N`, launched
-by the acceptance run on every rank) with `train.steps` a tenth beyond the trial's steps
-(`asked_steps`: it builds the data of those samples only, and its schedule does not end
-inside the trial), no save or evaluation due, a line every step. This module reads what
+by the acceptance run on every rank: `trial_args` in slurm/acceptance.sh) with `train.steps`
+a tenth and one beyond the trial's steps (it builds the data of those samples only, and
+its schedule does not end inside the trial), no save or evaluation due, a line every step. This module reads what
 rank 0 printed:
 
 * `figures`: tokens/s, the step's split (forward/backward, backbone step, tables, exposed
@@ -97,11 +97,6 @@ def saves_of(log: str) -> dict[int, dict]:
         out[int(m[1])] = {"path": m[2], "waited_s": whole if waited is None else waited,
                           "committed_after_s": 0.0 if later is None else later}
     return out
-
-
-def asked_steps(steps: int) -> int:
-    """The trainer's `train.steps` for a trial of `steps`: a tenth more (rounded down)."""
-    return steps + steps // 10
 
 
 def _median(rows: list[dict], key: str, part: str | None = None) -> float | None:
