@@ -51,6 +51,23 @@ def test_a_swiglu_parameter_is_saved_as_its_two_halves(world1):
         ((0, 0), (rows // 2, width), 0), ((rows // 2, 0), (rows // 2, width), rows // 2 * width)]
 
 
+def test_parts_a_factory_copies_are_found_by_their_elements_and_scattered_ones_refused():
+    """A factory whose parts are not views of the parameter: a contiguous copy is placed
+    by the elements it holds; a part of scattered elements cannot be a range of boxes."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    def factory(cut):
+        def build(key, t, replica_id, flattened_range=None):
+            return {name: ShardedTensor.from_rank_offsets(f"{key}.{name}", part.contiguous())
+                    for name, part in cut(t).items()}
+        return ShardedTensorFactory("w", torch.zeros(4, 3), build, lambda parts: parts)
+
+    copied = _pieces(factory(lambda t: {"head": t[:1].clone(), "rest": t[1:].clone()}))
+    assert [(piece.key, first) for piece, first in copied] == [("w.head", 0), ("w.rest", 3)]
+    with pytest.raises(NotImplementedError, match="not contiguous ranges"):
+        _pieces(factory(lambda t: {"columns": t[:, :2]}))
+
+
 def _engine_recipe(save_dir: Path, async_save: bool) -> Recipe:
     return from_dict(Recipe, {
         "model": {**TINY, "stem_layers": "1/2"},
