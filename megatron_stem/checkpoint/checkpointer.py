@@ -74,8 +74,7 @@ class _InFlight(NamedTuple):
 
     step: int
     background: BackgroundSave
-    folder: Path
-    writer: Writer
+    writer: Writer  # its folder (`tmp`) holds the files
     commit: ExitStack  # the Writer's exit (its commit) still to call
     waited: float  # seconds the step waited for it (the copy to host memory)
     started: float  # time.monotonic() when the step went on
@@ -254,15 +253,15 @@ class Checkpointer:
                 writer.record(save_train_state(folder, step, {
                     "consumed_samples": step * train.global_batch_size,
                     "table_row_order": ROW_ORDER, OPTIMIZER_STEPS: tables.step_count}))
-            if isinstance(writes, BackgroundSave):  # committed once written everywhere
+            if train.async_save:  # committed once written everywhere
                 writes.start()
                 now = time.monotonic()
-                self._in_flight = _InFlight(step, writes, folder, writer, stack.pop_all(),
+                self._in_flight = _InFlight(step, writes, writer, stack.pop_all(),
                                             now - began, now)
             else:
                 writes.write()
                 writer.record(writes.finish(folder))
-        if not train.async_save:
+        if not train.async_save:  # committed as the block ended
             self._saved(step, f"in {time.monotonic() - began:.2f} s")
         elif force or step == train.steps:
             self.wait_for_save()
@@ -279,8 +278,9 @@ class Checkpointer:
         self._commit_in_flight()
 
     def _commit_in_flight(self) -> None:
-        step, background, folder, writer, commit, waited, started = self._in_flight
+        step, background, writer, commit, waited, started = self._in_flight
         self._in_flight = None
+        folder = writer.tmp
         try:
             writer.record(background.finish(folder))
         except Exception as e:
