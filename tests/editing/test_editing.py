@@ -20,7 +20,7 @@ from megatron_stem.editing.remap import (TokenRemap, bake_writes, build_stem_ids
                                          find_occurrences, span_plan)
 from megatron_stem.editing.resolve import resolve
 from megatron_stem.editing.spec import Inject, Remap, load_edits, parse_edits
-from support.processes import tool
+from support.processes import hf_tensors, tool
 from megatron_stem.runtime.errors import UserError
 from workers import facts
 
@@ -372,7 +372,6 @@ def test_baked_edits_saved_as_a_checkpoint_and_as_an_hf_folder(stem, hf, tok, fa
     edited tables, every other tensor and file stays bit for bit."""
     from megatron_stem import checkpoint
     from megatron_stem.hf.export import export
-    from test_hf import hf_tensors
 
     edits = parse_edits(EDITS[:2] + EDITS[3:], "spec")  # position-independent ones
     expected = ["Berlin", "Lima", "Lima", "Tokyo"]
