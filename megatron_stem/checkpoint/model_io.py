@@ -19,24 +19,29 @@ from megatron_stem.checkpoint.strategy import parallel_load_strategy
 from megatron_stem.runtime.mcore_versions import check_readable
 
 
-def save_model(model, folder: Path, writes: ShardWrites | None = None) -> None:
+def save_model(model, folder: Path, writes: ShardWrites | None = None) -> dict[str, dict]:
+    """The model's weights into the checkpoint `folder` (`save_sharded`); what this rank
+    wrote now, for its `Writer.record`."""
     if is_writer():
         (folder / MODEL).mkdir(exist_ok=True)
     barrier()
-    save_sharded(model.sharded_state_dict(), folder / MODEL, writes)
+    written = save_sharded(model.sharded_state_dict(), folder / MODEL, writes)
+    return {f"{MODEL}/{name}": entry for name, entry in written.items()}
 
 
 def save_sharded(sharded_state_dict: dict, folder: Path, writes: ShardWrites | None = None
-                 ) -> None:
+                 ) -> dict[str, dict]:
     """A dist checkpoint of `sharded_state_dict` in `folder`: planned into `writes` (a
-    save's `ShardWrites`, which its caller writes and finishes), or written now."""
+    save's `ShardWrites`, which its caller writes and finishes), or written now; what this
+    rank wrote now, {name under `folder`: entry}, hashed as it was written (`Writer.record`
+    takes it rather than read the files again)."""
     if writes is not None:
         writes.add(sharded_state_dict, folder)
-        return
+        return {}
     now = ShardWrites()
     now.add(sharded_state_dict, folder)
     now.write()
-    now.finish(folder)  # the commit hashes what is not recorded: `checksums.record`
+    return now.finish(folder)
 
 
 def load_sharded(sharded_state_dict: dict, folder: Path, **options) -> dict:

@@ -69,9 +69,9 @@ def _sharded_state(model, tables: TableOptimizer, table_states: dict) -> dict:
 
 
 def save_optimizers(model, zero_optimizer, tables: TableOptimizer, folder: Path,
-                    writes: ShardWrites | None = None) -> None:
-    """The dense and table optimizer states into `folder` (planned into `writes`, or
-    written now: `model_io.save_sharded`)."""
+                    writes: ShardWrites) -> None:
+    """The dense and table optimizer states into `folder`, planned into the save's
+    `writes` (`model_io.save_sharded`)."""
     link_states(zero_optimizer)
     (folder / OPTIM).mkdir(exist_ok=True)
     save_sharded(_sharded_state(model, tables, tables.state_tensors()), folder / OPTIM, writes)

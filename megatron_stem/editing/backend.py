@@ -203,8 +203,9 @@ class MegatronBackend(Backend):
             else 0
         self.net.to(self.stored_dtype)
         try:
-            with checkpoint.Writer(output, step, self.recipe) as folder:
-                checkpoint.save_model(self.net, folder)
+            writer = checkpoint.Writer(output, step, self.recipe)
+            with writer as folder:
+                writer.record(checkpoint.save_model(self.net, folder))
         finally:
             self.net.to(torch.float32)
         return output / checkpoint.iter_name(step)
