@@ -33,10 +33,9 @@ from pathlib import Path
 
 from megatron_stem.config import load_recipe
 from megatron_stem.planning import hardware, memory, refit
-from megatron_stem.planning.budget import NODE_HOST_MEMORY, checkpoint_bytes
+from megatron_stem.planning.budget import checkpoint_bytes, configured_plan
 from megatron_stem.planning.collectives import Collective, predicted_seconds
 from megatron_stem.planning.hardware import Hardware
-from megatron_stem.planning.step import configured_option, plan
 from megatron_stem.planning.workload import Cluster, workload
 from megatron_stem.runtime.durable import write_durably
 from megatron_stem.runtime.errors import UserError, cli
@@ -165,9 +164,7 @@ def trial_predictions(recipe, cluster: Cluster, hw: Hardware) -> dict:
     tokens/s, MFU, and the memory once the model is built (its weights, the tables on the
     device), before the first step (with the optimizer's states) and at the step's peak
     (GB)."""
-    w = workload(recipe, cluster)
-    option = configured_option(recipe) if recipe.model.is_stem else None
-    p = plan(w, option, cluster, hw, NODE_HOST_MEMORY)
+    p = configured_plan(recipe, cluster, hw)
     mem = memory.memory_per_gpu(recipe, cluster, hw)
     tokens = recipe.train.global_batch_size * recipe.model.seq_length
     state = sum(mem.total(kind) for kind in ("parameters", "optimizer", "tables"))

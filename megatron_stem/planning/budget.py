@@ -30,11 +30,15 @@ def checkpoint_bytes(recipe: Recipe) -> float:
         counts.table_params * (table_weight + OPTIMIZER_STATE_BYTES)
 
 
-def step_seconds(recipe: Recipe, cluster: Cluster, hw: Hardware) -> float:
-    """The planner's step time of `recipe` as configured (its table option)."""
+def configured_plan(recipe: Recipe, cluster: Cluster, hw: Hardware) -> step.Plan:
+    """The planner's step of `recipe` as configured (its table option)."""
     w = workload(recipe, cluster)
     option = step.configured_option(recipe) if recipe.model.is_stem else None
-    return step.plan(w, option, cluster, hw, NODE_HOST_MEMORY).step_s
+    return step.plan(w, option, cluster, hw, NODE_HOST_MEMORY)
+
+
+def step_seconds(recipe: Recipe, cluster: Cluster, hw: Hardware) -> float:
+    return configured_plan(recipe, cluster, hw).step_s
 
 
 @dataclass(frozen=True)
