@@ -47,8 +47,7 @@ def main(argv=None) -> int:
     samples = Samples.of(recipe, data_parallel_size(recipe.parallel, args.ranks, "--ranks"))
     run_plans = list(plans(recipe, load_tokenizer(recipe), samples).values())
     cache = run_plans[0].config.path_to_cache
-    missing = [(plan, plan.missing()) for plan in run_plans]
-    missing = [(plan, m) for plan, m in missing if m]
+    missing = sample_cache.missing_of(run_plans)
     prefixes = sum(len(p.prefixes) for p in run_plans)
     if not missing:
         print(f"up to date: {cache} holds every index of the {prefixes} prefixes")

@@ -444,10 +444,15 @@ def build(plans: list[Plan], workers: int = 1,
                          waiting=lambda: progress(f"waiting for another process building "
                                                   f"in {cache}")):
         _remove_abandoned_workspaces(cache)
-        work = [(plan, plan.missing()) for plan in plans]  # another run may have built them
-        work = [(plan, missing) for plan, missing in work if missing]
+        work = missing_of(plans)  # another run may have built them
         if work:
             _build(work, workers, progress)
+
+
+def missing_of(plans: list[Plan]) -> list[tuple[Plan, list[Missing]]]:
+    """The plans that miss indices in the cache, each with what it misses."""
+    work = [(plan, plan.missing()) for plan in plans]
+    return [(plan, missing) for plan, missing in work if missing]
 
 
 def _build(work: list[tuple[Plan, list[Missing]]], workers: int, progress) -> None:
@@ -533,8 +538,7 @@ def prepare(plans: list[Plan], rank: int, build_command: str,
     validation indices of a new rank count, a small corpus) while the others wait for
     their ready marks. Missing and long (past `BUILD_AT_START_LIMIT_S` on one core):
     refused on every rank alike, naming the command that builds them ahead of time."""
-    missing = {id(plan): (plan, plan.missing()) for plan in plans}
-    missing = [(plan, m) for plan, m in missing.values() if m]
+    missing = missing_of(plans)
     if not missing:
         return
     seconds = sum(plan.build_seconds(m) for plan, m in missing)
