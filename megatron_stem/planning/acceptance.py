@@ -38,7 +38,7 @@ from megatron_stem.planning.collectives import Collective, predicted_seconds
 from megatron_stem.planning.hardware import Hardware
 from megatron_stem.planning.workload import Cluster, workload
 from megatron_stem.runtime.durable import write_durably
-from megatron_stem.runtime.errors import UserError, cli
+from megatron_stem.runtime.errors import cli
 
 TOLERANCE = 0.25
 SMALL = 0.05
@@ -346,14 +346,10 @@ def stage_records(work: Path) -> list[dict]:
 def profile_named(name: str, work: Path) -> Hardware:
     """The profile to predict with: a name, a file, or `auto`: the nodes' GPUs, as the
     environment stage recorded them (else nvidia-smi here)."""
-    if name != "auto":
-        return hardware.load(name)
-    gpus = [r["gpu"] for r in environment_records(work) if r.get("gpu")]
-    found, said = hardware.detect(lambda: gpus) if gpus else hardware.detect()
-    if found is None:
-        raise UserError(f"--hardware auto: {said}: name the GPUs' profile "
-                        f"({', '.join(hardware.PUBLISHED)}) with STEM_HARDWARE")
-    return hardware.load(found)
+    gpus = [r["gpu"] for r in environment_records(work) if r.get("gpu")] \
+        if name == "auto" else None
+    return hardware.load_detected(name, (lambda: gpus) if gpus else None,
+                                  " with STEM_HARDWARE")
 
 
 def report(work: Path, out: Path, cluster: Cluster, hw: Hardware) -> dict:

@@ -314,14 +314,15 @@ def detect(query=None) -> tuple[str | None, str]:
     return profiles.pop(), said
 
 
-def load_detected(name: str) -> Hardware:
-    """`load`, where "auto" is the profile of this machine's GPU (`detect`)."""
+def load_detected(name: str, query=None, naming: str = "") -> Hardware:
+    """`load`, where "auto" is the profile of this machine's GPU (`detect`; `query`: the
+    GPUs' names from elsewhere). `naming`: where else the profile can be named."""
     if name != "auto":
         return load(name)
-    found, said = detect()
+    found, said = detect(query)
     if found is None:
         raise UserError(f"--hardware auto: {said}: name the GPUs' profile "
-                        f"({', '.join(PUBLISHED)})")
+                        f"({', '.join(PUBLISHED)}){naming}")
     return load(found)
 
 
