@@ -105,8 +105,7 @@ def _bucket_seconds(elements: float, w: Workload, hw: Hardware, rpn: int) -> flo
         hw.alloc_copy_seconds(elements * COMM_BYTES, rpn)
     if w.dp == 1:
         return mem
-    return mem + hw.collective_latency + 2 * elements * COMM_BYTES * (w.dp - 1) / w.dp / \
-        hw.ring_busbw(w.dp, rpn)
+    return mem + hw.collective_latency + hw.ring_seconds(elements * COMM_BYTES, w.dp, rpn)
 
 
 def reduction_seconds(w: Workload, hw: Hardware, rpn: int, backward_s: float,

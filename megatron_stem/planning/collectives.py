@@ -73,7 +73,7 @@ def predicted_seconds(c: Collective, ranks: int, per_node: int, hw: Hardware) ->
     if ranks <= 1:
         return 0.0
     if c.kind == "all_reduce":
-        seconds = 2 * c.nbytes * (ranks - 1) / ranks / hw.ring_busbw(ranks, per_node)
+        seconds = hw.ring_seconds(c.nbytes, ranks, per_node)
     elif c.kind == "all_to_all":
         seconds = hw.alltoall_seconds(c.nbytes, ranks, per_node)
     else:

@@ -202,6 +202,14 @@ class Hardware:
             link = min(self.nvlink_bw * g / max(g - 1, 1), self.nics_per_node * self.nic_bw)
         return link * self.collective_efficiency
 
+    def ring_seconds(self, bytes_: float, ranks: int, ranks_per_node: int,
+                     factor: float = 2) -> float:
+        """factor x bytes x (n-1)/n over the ring's bus bandwidth (`ring_busbw`): an
+        all-reduce's ring (factor 2), or one half of it (1)."""
+        if ranks <= 1 or bytes_ == 0:
+            return 0.0
+        return factor * bytes_ * (ranks - 1) / ranks / self.ring_busbw(ranks, ranks_per_node)
+
     def allgather_seconds(self, received_bytes: float, ranks: int,
                           ranks_per_node: int, calls: int = 1) -> float:
         """All-gathers (`calls` of one size) in which this rank receives `received_bytes`

@@ -188,14 +188,6 @@ class Plan:
         return sum(self.seconds(phase) for phase in TABLE_PHASES)
 
 
-def _ring_seconds(bytes_: float, ranks: int, factor: float, hw: Hardware,
-                  ranks_per_node: int) -> float:
-    """factor x bytes x (n-1)/n over the ring's bus bandwidth (all-reduce: factor 2)."""
-    if ranks <= 1 or bytes_ == 0:
-        return 0.0
-    return factor * bytes_ * (ranks - 1) / ranks / hw.ring_busbw(ranks, ranks_per_node)
-
-
 def table_components(w: Workload, option: Option, cluster: Cluster,
                      hw: Hardware) -> tuple[list[Component], Layout]:
     """The table path's stages for all tables, in the order the code runs them; the
@@ -230,20 +222,20 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
         add("row ids and counts (all-to-all)", "net", ids, "B",
             hw.alltoall_seconds(ids, w.dp, cluster.gpus_per_node), 2, sync)
     else:  # padded ids all-gathered (device placement: per table)
-        add("row ids all-gather", "net", ids, "B", _ring_seconds(ids, w.dp, 1, hw, gpn),
+        add("row ids all-gather", "net", ids, "B", hw.ring_seconds(ids, w.dp, gpn, 1),
             2 * (T if lay.placement == "device" else 1), sync)
     memory("pack, sum and average grads (memory)", passes.pack_bytes(s, lay, c),
            passes.pack_syncs(lay), sync, hw.pack_bw)
     b = traffic.grad_allreduce_bytes(s, lay, c)
     add("grad all-reduce of the union (fp32)", "net", b, "B",
-        _ring_seconds(b, w.dp, 2, hw, gpn), T, sync)
+        hw.ring_seconds(b, w.dp, gpn, 2), T, sync)
     b = traffic.grad_reduce_bytes(s, lay, c)
     add("grad reduce to owners in node (fp32)", "net", b, "B",
-        _ring_seconds(b, lay.ranks_per_copy, 1, hw, lay.ranks_per_copy),
+        hw.ring_seconds(b, lay.ranks_per_copy, lay.ranks_per_copy, 1),
         T * lay.ranks_per_copy, sync)  # one reduce per owner's chunk
     b = traffic.cross_copy_allreduce_bytes(s, lay, c)
     add("owned grads all-reduce across nodes (fp32)", "net", b, "B",
-        _ring_seconds(b, lay.copies, 2, hw, 1), T, sync)
+        hw.ring_seconds(b, lay.copies, 1, 2), T, sync)
     b = traffic.grads_to_owners_bytes(s, lay, c)
     add("grads to owners (all-to-all)", "net", b, "B",
         hw.alltoall_seconds(b, w.dp, cluster.gpus_per_node) * w.owner_skew, 1, sync)
@@ -264,7 +256,7 @@ def table_components(w: Workload, option: Option, cluster: Cluster,
     b = passes.norm_reduce_bytes(s, lay)
     holders = passes.norm_holders(lay)
     add("norm: every row's squares all-reduced (fp64)", "net", b, "B",
-        _ring_seconds(b, holders, 2, hw, min(holders, gpn)), 1, sync)
+        hw.ring_seconds(b, holders, min(holders, gpn), 2), 1, sync)
     add("launch: the next step's rows first", "gpu", passes.launch_syncs(lay), "sync",
         0.0, 2 if lay.dp > 1 else 0, sync, passes.launch_syncs(lay))
     elems = traffic.adam_elements(s, lay, c)
