@@ -40,7 +40,8 @@ def main(argv=None) -> int:
     if args.workers < 1:
         raise UserError(f"--workers: must be >= 1, got {args.workers}")
     from megatron_stem.data import sample_cache
-    from megatron_stem.training.batches import Samples, data_parallel_size, plans
+    from megatron_stem.config.world import data_parallel_size
+    from megatron_stem.training.batches import Samples, plans
     from megatron_stem.training.checks import load_tokenizer
 
     start = time.perf_counter()

@@ -6,9 +6,9 @@ builds anything (`training/loop.py`), `--check` on the cluster it is given
 
 from __future__ import annotations
 
-from megatron_stem.config.schema import Recipe
+from megatron_stem.config.schema import ParallelConfig, Recipe
 from megatron_stem.config.table_layout import TableLayout
-from megatron_stem.runtime.errors import ConfigError
+from megatron_stem.runtime.errors import ConfigError, UserError
 
 
 def world_problems(recipe: Recipe, world: int, ranks_per_node: int) -> list[str]:
@@ -27,6 +27,16 @@ def world_problems(recipe: Recipe, world: int, ranks_per_node: int) -> list[str]
     if model.is_stem:
         problems += _table_problems(recipe, world, dp, ranks_per_node)
     return problems
+
+
+def data_parallel_size(parallel: ParallelConfig, ranks: int, field: str) -> int:
+    """A run of `ranks` ranks' data-parallel size, as megatron's parallel state makes it:
+    the ranks over each model replica's (tensor x pipeline parallel)."""
+    replica = parallel.tensor_parallel * parallel.pipeline_parallel
+    if ranks < 1 or ranks % replica:
+        raise UserError(f"{field}: {ranks} is not a positive multiple of "
+                        f"parallel.tensor_parallel x parallel.pipeline_parallel ({replica})")
+    return ranks // replica
 
 
 def check_world(recipe: Recipe, world: int, ranks_per_node: int) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from megatron.core.datasets.utils import Split
 
-from megatron_stem.config import DataConfig, ParallelConfig, Recipe
+from megatron_stem.config import DataConfig, Recipe
 from megatron_stem.data.prefix_sets import resolve_blend
 from megatron_stem.data.sample_cache import Plan, build, dataset_config
 from megatron_stem.model.documents import document_boundaries
@@ -64,16 +64,6 @@ def default_cache_dir(data: DataConfig) -> str:
         return data.cache_dir
     first = training_entries(data)[0].rstrip(os.sep)
     return os.path.join(os.path.dirname(first) or ".", "cache")
-
-
-def data_parallel_size(parallel: ParallelConfig, ranks: int, field: str) -> int:
-    """A run of `ranks` ranks' data-parallel size, as megatron's parallel state makes it:
-    the ranks over each model replica's (tensor x pipeline parallel)."""
-    replica = parallel.tensor_parallel * parallel.pipeline_parallel
-    if ranks < 1 or ranks % replica:
-        raise UserError(f"{field}: {ranks} is not a positive multiple of "
-                        f"parallel.tensor_parallel x parallel.pipeline_parallel ({replica})")
-    return ranks // replica
 
 
 @dataclass(frozen=True)
