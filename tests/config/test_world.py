@@ -4,8 +4,8 @@ refuses at start and `--check` reports for a job's size, each on its own."""
 import pytest
 
 from megatron_stem.config import load_recipe
-from megatron_stem.config.world import check_world, world_problems
-from megatron_stem.runtime.errors import ConfigError
+from megatron_stem.config.world import check_world, data_parallel_size, world_problems
+from megatron_stem.runtime.errors import ConfigError, UserError
 from support.processes import ROOT
 
 PRETRAIN = ROOT / "recipes" / "stem_1b_pretrain.yaml"
@@ -13,6 +13,14 @@ PRETRAIN = ROOT / "recipes" / "stem_1b_pretrain.yaml"
 
 def recipe(*overrides):
     return load_recipe(PRETRAIN, list(overrides))
+
+
+def test_data_parallel_is_the_ranks_over_a_model_replica_s():
+    parallel = recipe("parallel.tensor_parallel=2").parallel
+    assert data_parallel_size(parallel, 32, "--ranks") == 16
+    with pytest.raises(UserError, match=r"--ranks: 5 is not a positive multiple of "
+                                        r"parallel.tensor_parallel x .* \(2\)"):
+        data_parallel_size(parallel, 5, "--ranks")
 
 
 def test_the_1b_recipe_fits_its_sbatch_size_and_twice_it():
